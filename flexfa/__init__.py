@@ -1,0 +1,41 @@
+"""flexfa: a programmable attention compiler for PyTorch.
+
+Write an attention variant as two small functions, `score_mod(score, b, h, q_idx, kv_idx)` and
+`mask_mod(b, h, q_idx, kv_idx)`; flexfa traces them (no torch.compile), classifies tiles as full,
+partial or empty, and runs fused forward and backward kernels (Triton on GPU, a tiled PyTorch
+backend anywhere).
+
+>>> import torch, flexfa
+>>> q, k, v = (torch.randn(2, 4, 256, 64) for _ in range(3))
+>>> out = flexfa.attention(q, k, v, score_mod=flexfa.mods.alibi, block_mask=flexfa.masks.causal)
+"""
+
+from flexfa import masks, mods
+from flexfa.api import attention, build_spec, explain_backend
+from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
+from flexfa.blockmask.build import create_block_mask
+from flexfa.config import config
+from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
+from flexfa.masks import and_masks, noop_mask, or_masks
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockList",
+    "BlockMask",
+    "BlockSize",
+    "ModTraceError",
+    "TileState",
+    "and_masks",
+    "attention",
+    "build_spec",
+    "config",
+    "create_block_mask",
+    "explain_backend",
+    "masks",
+    "mods",
+    "noop_mask",
+    "or_masks",
+    "trace_mask_mod",
+    "trace_score_mod",
+]

@@ -1,0 +1,157 @@
+"""The front door: validate -> trace -> block mask -> pick backend -> run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from flexfa import backends
+from flexfa.blockmask.bind import resolve_block_mask
+from flexfa.blockmask.block_mask import BlockMask
+from flexfa.frontend.trace import TracedMod, trace_score_mod
+from flexfa.mods import bind_heads
+from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | Callable[..., Any] | None = None,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    backend: str = "auto",
+    kernel_options: Mapping[str, Any] | None = None,
+    deterministic: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention with a programmable score and mask, differentiable, on CPU or GPU.
+
+    Args:
+        q: (B, Hq, Lq, E) queries; k: (B, Hkv, Lkv, E) keys; v: (B, Hkv, Lkv, Ev) values; one
+            dtype among float16, bfloat16, float32 (and float64 on the tiled backend).
+        score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled score
+            (e.g. `flexfa.mods.alibi`). It may read captured tensors; those that require grad get
+            gradients.
+        block_mask: a `flexfa.BlockMask`, or a `mask_mod(b, h, q_idx, kv_idx) -> bool` (e.g.
+            `flexfa.masks.causal`), whose BlockMask is built for these shapes and cached.
+        scale: multiplies q @ k^T before score_mod; default 1/sqrt(E).
+        enable_gqa: allow Hq to be a multiple of Hkv (query head h reads KV head h // (Hq // Hkv)).
+        return_lse: also return the log-sum-exp (natural log, float32, (B, Hq, Lq)).
+        backend: "auto", "triton" or "tiled". "auto" picks the fastest that supports the call and
+            warns once when it has to fall back on a GPU.
+        kernel_options: backend options, e.g. {"block_m": 64} for triton.
+        deterministic: bitwise-repeatable gradients for captured tensors (slower on GPU).
+
+    A query row with no allowed key gets output 0, LSE -inf and zero gradients.
+
+    >>> import torch, flexfa
+    >>> from flexfa.mods import alibi
+    >>> from flexfa.masks import sliding_window
+    >>> q, k, v = (torch.randn(1, 4, 300, 64) for _ in range(3))
+    >>> out = flexfa.attention(q, k, v, score_mod=alibi, block_mask=sliding_window(128))
+    >>> out.shape
+    torch.Size([1, 4, 300, 64])
+    """
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    spec = build_spec(
+        q,
+        k,
+        v,
+        score_mod,
+        block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        kernel_options=kernel_options,
+        deterministic=deterministic,
+    )
+    impl = backends.select(backend, spec)
+    out, lse = impl.run(spec, q, k, v)
+    return (out, lse) if return_lse else out
+
+
+def build_spec(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | Callable[..., Any] | None = None,
+    *,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    kernel_options: Mapping[str, Any] | None = None,
+    deterministic: bool = False,
+) -> AttentionSpec:
+    """Validate a call's arguments, trace its mods and bind its block mask."""
+    B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=enable_gqa)
+    if kernel_options is not None and not isinstance(kernel_options, Mapping):
+        raise TypeError(
+            f"kernel_options must be a dict or None, got {type(kernel_options).__name__}"
+        )
+    traced_score = _trace_score_mod(score_mod, Hq, q.device)
+    bm = resolve_block_mask(block_mask, B, Hq, Lq, Lkv, q.device)
+    needs_grad = torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (traced_score is not None and bool(traced_score.grad_slots()))
+    )
+    return AttentionSpec(
+        batch=B,
+        heads_q=Hq,
+        heads_kv=Hkv,
+        len_q=Lq,
+        len_kv=Lkv,
+        head_dim=E,
+        head_dim_v=Ev,
+        dtype=q.dtype,
+        device=q.device,
+        scale=resolve_scale(scale, E),
+        score_mod=traced_score,
+        block_mask=bm,
+        needs_grad=needs_grad,
+        deterministic=bool(deterministic),
+        kernel_options=dict(kernel_options or {}),
+    )
+
+
+def _trace_score_mod(score_mod: Any, num_heads: int, device: torch.device) -> TracedMod | None:
+    if score_mod is None:
+        return None
+    traced = trace_score_mod(bind_heads(score_mod, num_heads), device=device)
+    if traced.is_identity:
+        return None
+    for cap, t in zip(traced.captures, traced.tensors):
+        if t.device != device:
+            raise ValueError(
+                f"score_mod {traced.name!r} captures {cap.name!r} on {t.device}, but q is on {device}; "
+                "move the captured tensor to the inputs' device"
+            )
+    return traced
+
+
+def explain_backend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: BlockMask | Callable[..., Any] | None = None,
+    **kwargs: Any,
+) -> str:
+    """Why each backend would or would not run this call (one line per backend, in priority order).
+
+    >>> import torch, flexfa
+    >>> q = k = v = torch.randn(1, 1, 16, 16)
+    >>> print(flexfa.explain_backend(q, k, v).splitlines()[-1])
+    tiled: yes
+    """
+    spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
+    lines = []
+    for name, answer in backends.explain(spec):
+        lines.append(f"{name}: yes" if answer.ok else f"{name}: no ({answer.reason})")
+    return "\n".join(lines)

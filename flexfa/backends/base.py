@@ -1,0 +1,142 @@
+"""The backend interface and registry.
+
+A backend says whether it can run a call (`supports(spec)` -> yes, or no and why) and runs it
+(`run(spec, q, k, v)` -> output and natural-log LSE, differentiable). `backend="auto"` asks the
+registered backends in priority order and takes the first that says yes for the inputs' device.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+import warnings
+
+import torch
+
+from flexfa.spec import AttentionSpec
+
+log = logging.getLogger("flexfa")
+
+
+@dataclasses.dataclass(frozen=True)
+class Support:
+    """A backend's answer: `ok`, or not and `reason`."""
+
+    ok: bool
+    reason: str = ""
+
+    @staticmethod
+    def yes() -> Support:
+        return Support(True)
+
+    @staticmethod
+    def no(reason: str) -> Support:
+        return Support(False, reason)
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Backend(abc.ABC):
+    """One way to run attention. Subclasses register themselves with `register`."""
+
+    #: Name users pass as `backend=`.
+    name: str
+    #: Device types `auto` considers this backend for, in preference order of registration.
+    auto_device_types: frozenset[str]
+
+    @abc.abstractmethod
+    def supports(self, spec: AttentionSpec) -> Support: ...
+
+    @abc.abstractmethod
+    def run(
+        self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (out [B, Hq, Lq, Ev] in q's dtype, lse [B, Hq, Lq] float32, natural log)."""
+
+
+_REGISTRY: dict[str, Backend] = {}
+_LAZY: dict[str, str] = {}  # name -> module that registers it on import
+_warned: set[tuple[str, str]] = set()
+
+
+def register(backend: Backend) -> Backend:
+    _REGISTRY[backend.name] = backend
+    return backend
+
+
+def register_lazy(name: str, module: str) -> None:
+    """Register a backend whose module is imported only when it is first needed."""
+    _LAZY[name] = module
+
+
+_unavailable: dict[str, str] = {}
+
+
+def _load(name: str) -> Backend | None:
+    if name not in _REGISTRY and name in _LAZY and name not in _unavailable:
+        import importlib
+
+        try:
+            importlib.import_module(_LAZY[name])
+        except ImportError as e:  # an optional dependency (e.g. triton) is missing
+            _unavailable[name] = f"cannot import {_LAZY[name]}: {e}"
+    return _REGISTRY.get(name)
+
+
+def names() -> list[str]:
+    return list(dict.fromkeys([*_LAZY, *_REGISTRY]))
+
+
+def explain(spec: AttentionSpec) -> list[tuple[str, Support]]:
+    """Each backend's answer for `spec`, in priority order."""
+    answers = []
+    for name in names():
+        backend = _load(name)
+        if backend is None:
+            answers.append((name, Support.no(_unavailable.get(name, "not available"))))
+        else:
+            answers.append((name, backend.supports(spec)))
+    return answers
+
+
+def select(requested: str, spec: AttentionSpec) -> Backend:
+    """The backend for `spec`: the one named, or with "auto" the first that supports it."""
+    if requested != "auto":
+        backend = _load(requested)
+        if backend is None and requested in _unavailable:
+            raise ValueError(f"backend {requested!r} is not available: {_unavailable[requested]}")
+        if backend is None:
+            raise ValueError(f"unknown backend {requested!r}; expected 'auto' or one of {names()}")
+        answer = backend.supports(spec)
+        if not answer:
+            raise ValueError(f"backend {requested!r} cannot run this call: {answer.reason}")
+        return backend
+    device_type = spec.device.type
+    skipped: list[tuple[str, str]] = []
+    for name in names():
+        backend = _load(name)
+        if backend is None or device_type not in backend.auto_device_types:
+            continue
+        answer = backend.supports(spec)
+        if answer:
+            for other, reason in skipped:
+                _warn_once(other, backend.name, reason)
+            log.debug("flexfa: backend %s chosen for %s", backend.name, device_type)
+            return backend
+        skipped.append((name, answer.reason))
+    reasons = "; ".join(f"{n}: {r}" for n, r in skipped) or "no backend handles this device"
+    raise ValueError(f"no flexfa backend can run this call on {spec.device} ({reasons})")
+
+
+def _warn_once(skipped: str, chosen: str, reason: str) -> None:
+    key = (skipped, reason)
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"flexfa: the {skipped!r} backend cannot run this call ({reason}); using the slower "
+        f"{chosen!r} backend instead",
+        stacklevel=4,
+    )

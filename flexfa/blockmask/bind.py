@@ -1,0 +1,115 @@
+"""Binding the `block_mask=` argument of `flexfa.attention` to a BlockMask for the call's shapes.
+
+# Note [Block mask cache]
+# A training loop calls attention with the same mask every step. When `block_mask=` is a mask_mod
+# (a function from flexfa.masks or the user's), flexfa builds the BlockMask for the call's shapes and
+# keeps it in a small LRU cache keyed by
+#   - the mask's IR digest (its code, its Python-number closures, the dtypes/ranks of captures),
+#   - each captured tensor's identity and `tensor._version` (bumped by every in-place write),
+#   - B and H as the mask uses them, the sequence lengths, the device and the block size.
+# Changing a captured doc-id tensor in place bumps its version, so the next call rebuilds; passing a
+# new tensor changes the identity. The cache holds the tensors alive, so an identity cannot be reused
+# by another tensor while its entry exists.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+import torch
+
+from flexfa.blockmask.block_mask import BlockMask, BlockSize
+from flexfa.blockmask.build import create_block_mask
+from flexfa.frontend.trace import TracedMod, trace_mask_mod
+
+DEFAULT_BLOCK_SIZE = BlockSize(128, 128)
+_CACHE_SIZE = 64
+_cache: collections.OrderedDict[tuple, BlockMask] = collections.OrderedDict()
+
+
+def _cache_key(
+    traced: TracedMod, B: int, H: int, Lq: int, Lkv: int, device: torch.device, bs: BlockSize
+) -> tuple:
+    tensors = tuple((id(t), t._version) for t in traced.tensors)
+    batch = B if "b" in traced.variables else None
+    heads = H if "h" in traced.variables else None
+    return (traced.key, tensors, batch, heads, Lq, Lkv, str(device), bs.q, bs.kv)
+
+
+def cached_block_mask(
+    traced: TracedMod,
+    B: int,
+    H: int,
+    Lq: int,
+    Lkv: int,
+    device: torch.device,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+) -> BlockMask:
+    """The BlockMask of `traced` for these shapes, built once and reused (Note [Block mask cache])."""
+    key = _cache_key(traced, B, H, Lq, Lkv, device, block_size)
+    hit = _cache.get(key)
+    if hit is not None:
+        _cache.move_to_end(key)
+        return hit
+    bm = create_block_mask(
+        traced, B, H, Lq, Lkv, device=device, BLOCK_SIZE=(block_size.q, block_size.kv)
+    )
+    _cache[key] = bm
+    while len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return bm
+
+
+def clear_cache() -> None:
+    _cache.clear()
+
+
+def _noop(b, h, q_idx, kv_idx):
+    return q_idx.new_ones((), dtype=torch.bool)
+
+
+def resolve_block_mask(
+    block_mask: BlockMask | Callable[..., object] | None,
+    B: int,
+    H: int,
+    Lq: int,
+    Lkv: int,
+    device: torch.device,
+) -> BlockMask:
+    """A BlockMask for the call: the given one (checked), or one built and cached from a mask_mod."""
+    if block_mask is None:
+        return cached_block_mask(trace_mask_mod(_noop, device=device), B, H, Lq, Lkv, device)
+    if isinstance(block_mask, BlockMask):
+        return _check_given(block_mask, B, H, Lq, Lkv, device)
+    if callable(block_mask):
+        return cached_block_mask(trace_mask_mod(block_mask, device=device), B, H, Lq, Lkv, device)
+    raise TypeError(
+        "block_mask must be a flexfa.BlockMask, a mask_mod(b, h, q_idx, kv_idx) or None, got "
+        f"{type(block_mask).__name__}"
+    )
+
+
+def _check_given(
+    bm: BlockMask, B: int, H: int, Lq: int, Lkv: int, device: torch.device
+) -> BlockMask:
+    if (bm.q_len, bm.kv_len) != (Lq, Lkv):
+        raise ValueError(
+            f"block_mask was built for lengths (Q_LEN={bm.q_len}, KV_LEN={bm.kv_len}) but q/k have "
+            f"({Lq}, {Lkv}); build it for these lengths (or pass the mask_mod and let flexfa build it)"
+        )
+    if bm.batch not in (1, B):
+        raise ValueError(f"block_mask has batch size {bm.batch}; expected 1 (broadcast) or {B}")
+    if bm.heads not in (1, H):
+        raise ValueError(
+            f"block_mask has {bm.heads} heads; expected 1 (broadcast) or {H} (query heads)"
+        )
+    for cap, t in zip(bm.mask.captures, bm.mask.tensors):
+        if t.device != device:
+            raise ValueError(
+                f"block_mask's mask_mod {bm.mask.name!r} captures {cap.name!r} on {t.device}, but the "
+                f"inputs are on {device}"
+            )
+    if bm.device != device:
+        bm = bm.to(device)
+    return bm

@@ -1,0 +1,99 @@
+"""Run-time configuration, read lazily from the environment.
+
+Nothing is read at import time. Each setting is looked up when used, so a test or a user can change
+the environment, or use `config.override(...)`, at any point.
+
+| variable | meaning | default |
+| --- | --- | --- |
+| FLEXFA_CACHE_DIR | where compiled-kernel sources and tuning results are kept | the user cache dir |
+| FLEXFA_VERIFY_IR | check IR invariants after every pass | on under pytest |
+| FLEXFA_DUMP_IR | a directory: write each traced mod's IR there | unset |
+| FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 1 |
+| FLEXFA_LOG_COMPILES | log every kernel compile at INFO level (long ones are always logged) | 0 |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+
+def _flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
+def _user_cache_dir() -> Path:
+    if sys.platform == "win32":
+        base = os.environ.get("LOCALAPPDATA") or str(Path.home() / "AppData" / "Local")
+    elif sys.platform == "darwin":
+        base = str(Path.home() / "Library" / "Caches")
+    else:
+        base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "flexfa"
+
+
+class Config:
+    """The settings; `flexfa.config` is the one instance."""
+
+    def __init__(self) -> None:
+        self._overrides: dict[str, Any] = {}
+
+    def _get(self, key: str, compute):
+        if key in self._overrides:
+            return self._overrides[key]
+        return compute()
+
+    @property
+    def cache_dir(self) -> Path:
+        return Path(
+            self._get(
+                "cache_dir", lambda: os.environ.get("FLEXFA_CACHE_DIR") or str(_user_cache_dir())
+            )
+        )
+
+    @property
+    def verify_ir(self) -> bool:
+        return self._get(
+            "verify_ir",
+            lambda: _flag("FLEXFA_VERIFY_IR", "PYTEST_CURRENT_TEST" in os.environ),
+        )
+
+    @property
+    def dump_ir(self) -> Path | None:
+        value = self._get("dump_ir", lambda: os.environ.get("FLEXFA_DUMP_IR") or None)
+        return Path(value) if value else None
+
+    @property
+    def autotune(self) -> bool:
+        return self._get("autotune", lambda: _flag("FLEXFA_AUTOTUNE", True))
+
+    @property
+    def log_compiles(self) -> bool:
+        return self._get("log_compiles", lambda: _flag("FLEXFA_LOG_COMPILES", False))
+
+    @property
+    def triton_interpret(self) -> bool:
+        return self._get("triton_interpret", lambda: _flag("TRITON_INTERPRET", False))
+
+    @contextlib.contextmanager
+    def override(self, **settings: Any) -> Iterator[None]:
+        """Temporarily set settings, e.g. `with flexfa.config.override(autotune=False): ...`."""
+        for key in settings:
+            if not isinstance(getattr(type(self), key, None), property):
+                raise AttributeError(f"unknown flexfa setting {key!r}")
+        saved = dict(self._overrides)
+        self._overrides.update(settings)
+        try:
+            yield
+        finally:
+            self._overrides = saved
+
+
+config = Config()

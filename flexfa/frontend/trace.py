@@ -1,0 +1,390 @@
+"""Tracing a mod: call it once on proxies and record what it computes as IR.
+
+>>> import torch, flexfa
+>>> slopes = torch.tensor([0.5, 0.25])
+>>> def alibi(score, b, h, q_idx, kv_idx):
+...     return score + slopes[h] * (kv_idx - q_idx)
+>>> traced = trace_score_mod(alibi)
+>>> print(traced.format())
+score_mod alibi(score, b, h, q_idx, kv_idx) captures slopes: f32[1d]
+  %0 = slopes[h]  : f32
+  %1 = (kv_idx - q_idx)  : i32
+  %2 = %1.to(f32)  : f32
+  %3 = (%0 * %2)  : f32
+  %4 = (score + %3)  : f32
+  out = %4
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import keyword
+import numbers
+import re
+import types
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+
+from flexfa.config import config
+from flexfa.frontend.proxy import IndexedTensor, ModTraceError, Proxy, lift
+from flexfa.ir import build as irb
+from flexfa.ir.autodiff import ScoreModGradient, score_mod_gradient
+from flexfa.ir.dtypes import DType
+from flexfa.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS, Capture, Node, Op, toposort
+from flexfa.ir.printer import format_graph
+from flexfa.ir.simplify import simplify
+from flexfa.ir.verify import verify
+
+ModKind = Literal["score_mod", "mask_mod"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TracedMod:
+    """A traced mod: its IR, the tensors it captured, and the Python function it came from.
+
+    `output` and `captures` are pure IR (hashable, device-free); `tensors[slot]` is the tensor bound
+    to `captures[slot]` for this call. Two TracedMods with equal `key` compile to the same kernels.
+    """
+
+    kind: ModKind
+    name: str
+    output: Node
+    captures: tuple[Capture, ...]
+    tensors: tuple[torch.Tensor, ...]
+    fn: Callable[..., Any]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return SCORE_MOD_PARAMS if self.kind == "score_mod" else MASK_MOD_PARAMS
+
+    @functools.cached_property
+    def key(self) -> str:
+        """Digest of the IR, the mod's kind and name (names appear in generated source)."""
+        return f"{self.kind}:{self.name}:{self.output.digest}"
+
+    @functools.cached_property
+    def variables(self) -> frozenset[str]:
+        """The mod parameters the IR actually reads (e.g. whether a mask depends on `b`)."""
+        return frozenset(n.arg for n in toposort([self.output]) if n.op is Op.VAR)
+
+    @property
+    def is_identity(self) -> bool:
+        """True for a score_mod that returns the score unchanged."""
+        return self.output.op is Op.VAR and self.output.arg == "score"
+
+    @property
+    def is_trivially_true(self) -> bool:
+        """True for a mask_mod that allows every pair (noop_mask)."""
+        return self.output.op is Op.CONST and self.output.arg is True
+
+    def grad_slots(self) -> frozenset[int]:
+        """Slots of captured float tensors that require grad (their gradients must be computed)."""
+        return frozenset(
+            c.slot
+            for c, t in zip(self.captures, self.tensors)
+            if t.requires_grad and t.dtype.is_floating_point
+        )
+
+    def gradient(self, grad_slots: frozenset[int] = frozenset()) -> ScoreModGradient:
+        """d score_mod / d score and d score_mod / d (each load of a capture in `grad_slots`)."""
+        return _gradient(self.output, grad_slots)
+
+    def format(self) -> str:
+        params = ", ".join(self.params)
+        caps = ", ".join(f"{c.name}: {c.dtype.value}[{c.ndim}d]" for c in self.captures)
+        title = f"{self.kind} {self.name}({params})" + (f" captures {caps}" if caps else "")
+        return format_graph({"out": self.output}, title=title)
+
+    def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> TracedMod:
+        return dataclasses.replace(self, tensors=tensors)
+
+
+@functools.lru_cache(maxsize=512)
+def _gradient(output: Node, grad_slots: frozenset[int]) -> ScoreModGradient:
+    grad = score_mod_gradient(output, grad_slots=grad_slots)
+    if config.verify_ir:
+        verify(grad.roots())
+    return grad
+
+
+class Tracer:
+    """State of one trace: the captured tensors and their names."""
+
+    def __init__(self, kind: ModKind, fn: Callable[..., Any], device: torch.device | None) -> None:
+        self.kind = kind
+        self.fn = fn
+        self.mod_name = mod_name(fn, kind)
+        self.device = device if device is not None else torch.device("cpu")
+        self.tensors: list[torch.Tensor] = []
+        self.captures: list[Capture] = []
+        self._slot_of: dict[int, int] = {}
+        self._names: dict[int, str] | None = None
+
+    def fail(self, message: str) -> None:
+        raise ModTraceError(f"{self.kind} {self.mod_name!r}: {message}")
+
+    # -- captured tensors -----------------------------------------------------------------------
+    def name_of(self, tensor: torch.Tensor) -> str:
+        if self._names is None:
+            self._names = closure_names(self.fn)
+        return self._names.get(id(tensor), "buf")
+
+    def capture(self, tensor: torch.Tensor) -> Node:
+        slot = self._slot_of.get(id(tensor))
+        if slot is None:
+            if tensor.is_complex() or tensor.dtype not in _LOADABLE:
+                self.fail(
+                    f"captured tensor {self.name_of(tensor)!r} has dtype {tensor.dtype}; mods can "
+                    f"read bool, integer and float16/bfloat16/float32/float64 tensors"
+                )
+            slot = len(self.tensors)
+            taken = {c.name for c in self.captures}
+            name = _identifier(self.name_of(tensor), taken)
+            self.tensors.append(tensor)
+            self.captures.append(Capture(slot, name, DType.from_torch(tensor.dtype), tensor.ndim))
+            self._slot_of[id(tensor)] = slot
+        return irb.capture(self.captures[slot])
+
+    def load_scalar(self, tensor: torch.Tensor) -> Node:
+        return self._load(tensor, ())
+
+    def _load(self, tensor: torch.Tensor, indices: tuple[Node, ...]) -> Node:
+        node = irb.load(self.capture(tensor), indices)
+        # Narrow integer tensors (int8/uint8/int16) load as int32; the IR type of the load is the
+        # capture's type, which DType.from_torch already widened.
+        return node
+
+    def index(
+        self, tensor: Any, index: Any, prefix: tuple[Node, ...] = ()
+    ) -> Proxy | IndexedTensor:
+        if not isinstance(tensor, torch.Tensor):
+            self.fail(f"cannot index a {type(tensor).__name__} with traced values; use a tensor")
+        parts = index if isinstance(index, tuple) else (index,)
+        nodes = list(prefix)
+        name = self.name_of(tensor)
+        for part in parts:
+            dim = len(nodes)
+            if dim >= tensor.ndim:
+                self.fail(
+                    f"too many indices for captured tensor {name!r} of shape {tuple(tensor.shape)}"
+                )
+            if isinstance(part, Proxy):
+                node = part.node
+                if node.dtype.is_float:
+                    self.fail(
+                        f"index {dim} into captured tensor {name!r} is a float; convert it with "
+                        ".to(torch.int32) (after torch.floor if needed)"
+                    )
+            elif (
+                isinstance(part, bool)
+                or part is None
+                or part is Ellipsis
+                or isinstance(part, slice)
+            ):
+                self.fail(
+                    f"captured tensor {name!r} was indexed with {part!r}; mods index captured "
+                    "tensors with one integer per dim (slices, None and ... are not supported)"
+                )
+                raise AssertionError
+            elif isinstance(part, numbers.Integral):
+                value = int(part)
+                size = tensor.shape[dim]
+                if value < 0:
+                    value += size
+                if not 0 <= value < size:
+                    self.fail(
+                        f"index {int(part)} is out of range for dim {dim} of {name!r} (size {size})"
+                    )
+                node = irb.const(value)
+            elif isinstance(part, torch.Tensor) and part.ndim == 0 and not part.is_floating_point():
+                node = self.load_scalar(part)
+            elif isinstance(part, IndexedTensor):
+                part._incomplete()
+                raise AssertionError
+            else:
+                self.fail(f"cannot index captured tensor {name!r} with a {type(part).__name__}")
+                raise AssertionError
+            nodes.append(node)
+        if len(nodes) < tensor.ndim:
+            return IndexedTensor(self, tensor, tuple(nodes))
+        return Proxy(self, self._load(tensor, tuple(nodes)))
+
+
+_LOADABLE = frozenset(
+    {
+        torch.bool,
+        torch.int8,
+        torch.uint8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    }
+)
+
+
+def _identifier(name: str, taken: set[str]) -> str:
+    base = re.sub(r"\W", "_", name) or "buf"
+    if base[0].isdigit() or keyword.iskeyword(base) or base in SCORE_MOD_PARAMS:
+        base = f"{base}_"
+    candidate, i = base, 1
+    while candidate in taken:
+        candidate = f"{base}{i}"
+        i += 1
+    return candidate
+
+
+def mod_name(fn: Callable[..., Any], kind: ModKind) -> str:
+    """A readable identifier for a mod (lambdas get the kind as their name)."""
+    target = fn.func if isinstance(fn, functools.partial) else fn
+    name = getattr(target, "__name__", None) or type(target).__name__
+    if name == "<lambda>" or not name:
+        name = kind
+    name = re.sub(r"\W", "_", name)
+    return name if name.isidentifier() and not keyword.iskeyword(name) else f"{kind}_{name}"
+
+
+def closure_names(fn: Any, depth: int = 3) -> dict[int, str]:
+    """Map id(object) -> the name a mod's code uses for it (closures, globals, defaults)."""
+    names: dict[int, str] = {}
+    seen: set[int] = set()
+
+    def visit(f: Any, d: int) -> None:
+        if id(f) in seen or d < 0:
+            return
+        seen.add(id(f))
+        if isinstance(f, functools.partial):
+            visit(f.func, d)
+            for a in (*f.args, *f.keywords.values()):
+                visit_value("arg", a, d - 1)
+            return
+        code = getattr(f, "__code__", None)
+        if code is None:
+            call = getattr(type(f), "__call__", None)
+            if call is not None and hasattr(f, "__dict__"):
+                for k, v in vars(f).items():
+                    visit_value(k, v, d - 1)
+            return
+        for k, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
+            try:
+                visit_value(k, cell.cell_contents, d - 1)
+            except ValueError:  # empty cell
+                pass
+        glob = getattr(f, "__globals__", {})
+        for k in code.co_names:
+            if k in glob:
+                visit_value(k, glob[k], d - 1)
+        defaults = getattr(f, "__defaults__", None) or ()
+        if defaults:
+            argnames = code.co_varnames[: code.co_argcount]
+            for k, v in zip(argnames[-len(defaults) :], defaults):
+                visit_value(k, v, d - 1)
+
+    def visit_value(k: str, v: Any, d: int) -> None:
+        if isinstance(v, torch.Tensor):
+            names.setdefault(id(v), k)
+        elif isinstance(v, (types.FunctionType, functools.partial)) or (
+            callable(v) and hasattr(v, "__dict__") and not isinstance(v, type)
+        ):
+            visit(v, d)
+        elif isinstance(v, (tuple, list)) and len(v) <= 64:
+            for item in v:
+                visit_value(k, item, d)
+
+    visit(fn, depth)
+    return names
+
+
+def _check_arity(fn: Callable[..., Any], kind: ModKind, params: tuple[str, ...]) -> None:
+    if not callable(fn):
+        raise TypeError(f"{kind} must be a callable {kind}{params}, got {type(fn).__name__}")
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins and some C callables: nothing to check
+    try:
+        sig.bind(*params)
+    except TypeError:
+        raise TypeError(
+            f"{kind} {mod_name(fn, kind)!r} must accept {len(params)} positional arguments "
+            f"({', '.join(params)}), but its signature is {sig}"
+        ) from None
+
+
+def trace(
+    fn: Callable[..., Any], kind: ModKind, *, device: torch.device | None = None
+) -> TracedMod:
+    """Trace `fn` as a score_mod or a mask_mod. Raises ModTraceError (a TypeError) with a fix."""
+    params = SCORE_MOD_PARAMS if kind == "score_mod" else MASK_MOD_PARAMS
+    _check_arity(fn, kind, params)
+    tracer = Tracer(kind, fn, device)
+    proxies = [Proxy(tracer, irb.var(p)) for p in params]
+    try:
+        result = fn(*proxies)
+    except ModTraceError:
+        raise
+    except Exception as e:
+        raise ModTraceError(
+            f"{kind} {tracer.mod_name!r} raised {type(e).__name__} while being traced: {e}"
+        ) from e
+    if result is None:
+        tracer.fail("returned None; a mod must return a value")
+    out = lift(tracer, result)
+    if kind == "score_mod":
+        if out.dtype.is_bool:
+            tracer.fail(
+                "returned a bool; a score_mod returns the new score. A function that says which "
+                "pairs to keep is a mask_mod: pass it as block_mask= instead"
+            )
+        if not out.dtype.is_float:
+            out = irb.cast(out, DType.FLOAT32)
+        out = irb.cast(out, DType.FLOAT32)
+    elif not out.dtype.is_bool:
+        tracer.fail(f"must return a bool (True = attend), got a value of type {out.dtype.value}")
+    (out,) = simplify([out])
+    if config.verify_ir:
+        verify([out], allowed_vars=params)
+    traced = TracedMod(
+        kind=kind,
+        name=tracer.mod_name,
+        output=out,
+        captures=tuple(tracer.captures),
+        tensors=tuple(tracer.tensors),
+        fn=fn,
+    )
+    if config.dump_ir is not None:
+        _dump(traced)
+    return traced
+
+
+def trace_score_mod(fn: Callable[..., Any], *, device: torch.device | None = None) -> TracedMod:
+    """Trace `score_mod(score, b, h, q_idx, kv_idx) -> new score`."""
+    return trace(fn, "score_mod", device=device)
+
+
+def trace_mask_mod(fn: Callable[..., Any], *, device: torch.device | None = None) -> TracedMod:
+    """Trace `mask_mod(b, h, q_idx, kv_idx) -> bool`."""
+    return trace(fn, "mask_mod", device=device)
+
+
+def _dump(traced: TracedMod) -> None:
+    directory = config.dump_ir
+    assert directory is not None
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{traced.kind}_{traced.name}_{traced.output.digest[:12]}.ir"
+    text = traced.format()
+    if traced.kind == "score_mod":
+        grad = traced.gradient(frozenset(c.slot for c in traced.captures if c.dtype.is_float))
+        named = {"d_score": grad.d_score}
+        named.update(
+            {f"d_{g.load.srcs[0].arg.name}[{i}]": g.d_load for i, g in enumerate(grad.loads)}
+        )
+        text += "\n\n" + format_graph(named, title="gradient")
+    path.write_text(text + "\n")

@@ -1,0 +1,125 @@
+"""`AttentionSpec`: everything a backend needs to know about one attention call, validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+
+from flexfa.blockmask.block_mask import BlockMask
+from flexfa.frontend.trace import TracedMod
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionSpec:
+    """Shapes, types, mods and options of one call. Built by `flexfa.api` after validation.
+
+    Layout: q (batch, heads_q, len_q, head_dim), k (batch, heads_kv, len_kv, head_dim),
+    v (batch, heads_kv, len_kv, head_dim_v). Query head h reads KV head h // group_size.
+    """
+
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_kv: int
+    head_dim: int
+    head_dim_v: int
+    dtype: torch.dtype
+    device: torch.device
+    scale: float
+    score_mod: TracedMod | None
+    block_mask: BlockMask
+    needs_grad: bool
+    deterministic: bool = False
+    kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.heads_q % self.heads_kv:
+            raise ValueError(
+                f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
+            )
+
+    @property
+    def group_size(self) -> int:
+        return self.heads_q // self.heads_kv
+
+    @property
+    def mask(self) -> TracedMod:
+        return self.block_mask.mask
+
+    @property
+    def score_grad_slots(self) -> frozenset[int]:
+        """Captured tensors of the score_mod whose gradients the backward must compute."""
+        if self.score_mod is None or not self.needs_grad:
+            return frozenset()
+        return self.score_mod.grad_slots()
+
+
+def validate_qkv(
+    q: object, k: object, v: object, *, enable_gqa: bool
+) -> tuple[int, int, int, int, int, int, int]:
+    """Check q, k, v; returns (B, Hq, Hkv, Lq, Lkv, E, Ev). Raises ValueError/TypeError naming the argument."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.ndim != 4:
+            raise ValueError(
+                f"{name} must have 4 dims (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64"
+            )
+    assert (
+        isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
+    )
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(
+            f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}"
+        )
+    B, Hq, Lq, E = q.shape
+    Bk, Hkv, Lkv, Ek = k.shape
+    Bv, Hv, Lv, Ev = v.shape
+    if Bk != B or Bv != B:
+        raise ValueError(f"batch sizes differ: q has {B}, k has {Bk}, v has {Bv}")
+    if Ek != E:
+        raise ValueError(f"k's head dim ({Ek}) must equal q's ({E})")
+    if Hv != Hkv or Lv != Lkv:
+        raise ValueError(
+            f"k and v must have the same heads and length, got k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    for name, n in (
+        ("q's length", Lq),
+        ("k's length", Lkv),
+        ("the number of heads", Hq),
+        ("the batch size", B),
+    ):
+        if n < 1:
+            raise ValueError(f"{name} must be at least 1")
+    if E < 8 or Ev < 8:
+        raise ValueError(f"head dims must be at least 8, got E={E} for q/k and Ev={Ev} for v")
+    if Hq != Hkv:
+        if not enable_gqa:
+            raise ValueError(
+                f"q has {Hq} heads but k/v have {Hkv}; pass enable_gqa=True for grouped-query attention"
+            )
+        if Hq % Hkv:
+            raise ValueError(
+                f"with enable_gqa=True, q's heads ({Hq}) must be a multiple of k/v's heads ({Hkv})"
+            )
+    return B, Hq, Hkv, Lq, Lkv, E, Ev
+
+
+def resolve_scale(scale: object, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise TypeError(f"scale must be a finite number or None, got {scale!r}")
+    return float(scale)
