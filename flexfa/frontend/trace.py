@@ -17,6 +17,7 @@ score_mod alibi(score, b, h, q_idx, kv_idx) captures slopes: f32[1d]
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -267,16 +268,13 @@ def closure_names(fn: Any, depth: int = 3) -> dict[int, str]:
             return
         code = getattr(f, "__code__", None)
         if code is None:
-            call = getattr(type(f), "__call__", None)
-            if call is not None and hasattr(f, "__dict__"):
+            if callable(f) and hasattr(f, "__dict__"):
                 for k, v in vars(f).items():
                     visit_value(k, v, d - 1)
             return
         for k, cell in zip(code.co_freevars, getattr(f, "__closure__", None) or ()):
-            try:
+            with contextlib.suppress(ValueError):  # an empty cell raises ValueError
                 visit_value(k, cell.cell_contents, d - 1)
-            except ValueError:  # empty cell
-                pass
         glob = getattr(f, "__globals__", {})
         for k in code.co_names:
             if k in glob:

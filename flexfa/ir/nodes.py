@@ -17,7 +17,7 @@ import hashlib
 import math
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 from flexfa.ir.dtypes import DType
 
@@ -137,7 +137,7 @@ class Node:
 
     __slots__ = ("__weakref__", "_digest", "arg", "dtype", "op", "srcs")
 
-    _interned: weakref.WeakValueDictionary[tuple, Node] = weakref.WeakValueDictionary()
+    _interned: ClassVar[weakref.WeakValueDictionary[tuple, Node]] = weakref.WeakValueDictionary()
 
     op: Op
     dtype: DType

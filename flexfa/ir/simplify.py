@@ -130,9 +130,11 @@ def boolean_identities(n: Node) -> Node | None:
 
 # For integers, x == x -> true, x <= x -> true, x < x -> false, x != x -> false (floats: NaN).
 def reflexive_compare(n: Node) -> Node | None:
-    if n.op in (Op.LT, Op.LE, Op.EQ, Op.NE) and n.srcs[0] is n.srcs[1]:
-        if not n.srcs[0].dtype.is_float:
-            return irb.const(n.op in (Op.LE, Op.EQ))
+    if n.op not in (Op.LT, Op.LE, Op.EQ, Op.NE):
+        return None
+    a, b = n.srcs
+    if a is b and not a.dtype.is_float:
+        return irb.const(n.op in (Op.LE, Op.EQ))
     return None
 
 
