@@ -1,0 +1,1 @@
+"""Code generation: `triton/` (CUDA GPUs, any Triton-supported arch) and `cute_sm100/` (Blackwell)."""

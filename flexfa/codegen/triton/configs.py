@@ -1,0 +1,157 @@
+"""Kernel configs: defaults per (architecture, head dim, dtype), user pins, autotuning.
+
+A config must fit the BlockMask: each kernel tile covers part of exactly one block, so a tile size
+must divide the block size along its axis (`fit_to_block_mask`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from flexfa.blockmask.block_mask import BlockSize
+from flexfa.codegen.triton.params import BwdConfig, FwdConfig
+from flexfa.config import config
+
+log = logging.getLogger("flexfa")
+
+# Options a user may pass in `kernel_options` for the triton backend.
+FWD_OPTIONS = {
+    "block_m": "block_m",
+    "block_n": "block_n",
+    "num_warps": "num_warps",
+    "num_stages": "num_stages",
+}
+BWD_OPTIONS = {
+    "bwd_block_m1": "block_m1",
+    "bwd_block_n1": "block_n1",
+    "bwd_block_m2": "block_m2",
+    "bwd_block_n2": "block_n2",
+    "bwd_num_warps": "num_warps",
+    "bwd_num_stages": "num_stages",
+}
+OTHER_OPTIONS = frozenset({"autotune"})
+KNOWN_OPTIONS = frozenset(FWD_OPTIONS) | frozenset(BWD_OPTIONS) | OTHER_OPTIONS
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfigs:
+    fwd: FwdConfig
+    bwd: BwdConfig
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def default_configs(device: torch.device, head_dim: int, dtype: torch.dtype) -> KernelConfigs:
+    """A good starting point without tuning (measured on H100 for sm90; conservative elsewhere)."""
+    if device.type != "cuda":
+        # The interpreter runs on the CPU: small tiles keep its numpy work short.
+        return KernelConfigs(FwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 32, 32, 4, 1))
+    major, _ = _capability(device)
+    d = max(head_dim, 16)
+    if dtype == torch.float32:
+        return KernelConfigs(FwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 32, 32, 4, 1))
+    if major >= 9:
+        if d <= 64:
+            return KernelConfigs(FwdConfig(128, 128, 4, 3), BwdConfig(64, 64, 64, 64, 4, 3))
+        if d <= 128:
+            return KernelConfigs(FwdConfig(128, 64, 8, 3), BwdConfig(64, 128, 128, 64, 8, 3))
+        return KernelConfigs(FwdConfig(64, 32, 4, 3), BwdConfig(32, 64, 64, 32, 4, 2))
+    if d <= 128:
+        return KernelConfigs(FwdConfig(128, 64, 4, 3), BwdConfig(64, 64, 64, 64, 4, 2))
+    return KernelConfigs(FwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 32, 32, 4, 1))
+
+
+def apply_options(base: KernelConfigs, options: Mapping[str, Any]) -> KernelConfigs:
+    """Override fields from `kernel_options` (unknown keys raise ValueError)."""
+    unknown = set(options) - KNOWN_OPTIONS - {"step_columns"}
+    if unknown:
+        raise ValueError(
+            f"unknown kernel_options {sorted(unknown)}; the triton backend accepts {sorted(KNOWN_OPTIONS)}"
+        )
+    fwd = {FWD_OPTIONS[k]: v for k, v in options.items() if k in FWD_OPTIONS}
+    bwd = {BWD_OPTIONS[k]: v for k, v in options.items() if k in BWD_OPTIONS}
+    return KernelConfigs(dataclasses.replace(base.fwd, **fwd), dataclasses.replace(base.bwd, **bwd))
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    p = 1
+    while p * 2 <= cap and n % (p * 2) == 0:
+        p *= 2
+    return p
+
+
+def fit_to_block_mask(configs: KernelConfigs, block_size: BlockSize) -> KernelConfigs | None:
+    """Shrink tile sizes so they divide the BlockMask's block sizes; None if impossible (< 16)."""
+    bq, bkv = block_size.q, block_size.kv
+
+    def fit(value: int, block: int) -> int:
+        return _largest_pow2_divisor(block, value)
+
+    fwd = dataclasses.replace(
+        configs.fwd, block_m=fit(configs.fwd.block_m, bq), block_n=fit(configs.fwd.block_n, bkv)
+    )
+    bwd = dataclasses.replace(
+        configs.bwd,
+        block_m1=fit(configs.bwd.block_m1, bq),
+        block_n1=fit(configs.bwd.block_n1, bkv),
+        block_m2=fit(configs.bwd.block_m2, bq),
+        block_n2=fit(configs.bwd.block_n2, bkv),
+    )
+    sizes = (fwd.block_m, fwd.block_n, bwd.block_m1, bwd.block_n1, bwd.block_m2, bwd.block_n2)
+    if min(sizes) < 16:
+        return None
+    return KernelConfigs(fwd, bwd)
+
+
+def supports_block_size(block_size: BlockSize) -> str | None:
+    """None if Triton tiles can divide these block sizes, else the reason."""
+    for name, value in (("q", block_size.q), ("kv", block_size.kv)):
+        if value % 16:
+            return f"the BlockMask's {name} block size {value} is not a multiple of 16"
+    return None
+
+
+# -- tuned results on disk -----------------------------------------------------------------------
+
+
+def _tuning_path():
+    return config.cache_dir / "triton" / "tuning.json"
+
+
+def load_tuned(key: str) -> KernelConfigs | None:
+    path = _tuning_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    entry = data.get(key)
+    if entry is None:
+        return None
+    try:
+        return KernelConfigs(FwdConfig(**entry["fwd"]), BwdConfig(**entry["bwd"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def store_tuned(key: str, configs: KernelConfigs) -> None:
+    path = _tuning_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"fwd": dataclasses.asdict(configs.fwd), "bwd": dataclasses.asdict(configs.bwd)}
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)

@@ -1,0 +1,332 @@
+"""IR -> Triton: each traced mod becomes a named `@triton.jit` device function.
+
+Signatures (one fixed shape per role; kernels call the functions by name):
+
+    score_mod  <name>(score, b, h, q_idx, kv_idx, <capture params>)       -> new score
+    mask_mod   <name>(b, h, q_idx, kv_idx, <capture params>)              -> bool
+    score grad <name>_bwd(score, b, h, q_idx, kv_idx, grad, live, <capture params>,
+                          <capture grad pointers>, WITH_CAPTURE_GRADS, Q_AXIS)
+                                                                   -> grad * d new_score / d score
+
+Capture params, per captured tensor `c` of rank n: `c_ptr, c_stride0..n-1, c_size0..n-1`; in the
+gradient function also `c_grad_ptr` for each capture that needs a gradient. Inside a kernel
+`score` is a [rows, cols] tile, `b`/`h` are scalars and `q_idx`/`kv_idx` broadcast along one axis
+each; the body is element-wise, so the same source serves any tile orientation.
+
+The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions appear once.
+
+# Note [Scatter-add of captured gradients]
+# d loss / d capture[idx] sums `grad * d_load` over every (q, kv) pair whose load read capture[idx].
+# When a load's indices do not depend on kv_idx (or q_idx), all pairs of a tile row (column) hit
+# the same element, so the function first sums the contributions along that axis and issues one
+# atomic per row (column); an index that depends on neither costs one atomic per tile. `Q_AXIS`
+# says which tile axis runs over queries, so the reduction axis is known at compile time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flexfa.frontend.trace import TracedMod
+from flexfa.ir.autodiff import ScoreModGradient
+from flexfa.ir.dtypes import DType
+from flexfa.ir.nodes import Capture, Node, Op, toposort
+
+TL_DTYPE = {
+    DType.BOOL: "tl.int1",
+    DType.INT32: "tl.int32",
+    DType.INT64: "tl.int64",
+    DType.FLOAT16: "tl.float16",
+    DType.BFLOAT16: "tl.bfloat16",
+    DType.FLOAT32: "tl.float32",
+    DType.FLOAT64: "tl.float64",
+}
+
+_UNARY_FN = {
+    Op.EXP: "tl.exp",
+    Op.EXP2: "tl.exp2",
+    Op.LOG: "tl.log",
+    Op.LOG2: "tl.log2",
+    Op.SQRT: "tl.sqrt_rn",
+    Op.RSQRT: "tl.rsqrt",
+    Op.TANH: "flexfa_tanh",
+    Op.SIGMOID: "tl.sigmoid",
+    Op.SIN: "tl.sin",
+    Op.COS: "tl.cos",
+    Op.FLOOR: "tl.floor",
+    Op.CEIL: "tl.ceil",
+    Op.ABS: "tl.abs",
+    Op.SIGN: "flexfa_sign",
+}
+_INFIX = {
+    Op.ADD: "+",
+    Op.SUB: "-",
+    Op.MUL: "*",
+    Op.TRUEDIV: "/",
+    Op.LT: "<",
+    Op.LE: "<=",
+    Op.EQ: "==",
+    Op.NE: "!=",
+    Op.AND: "&",
+    Op.OR: "|",
+    Op.XOR: "^",
+}
+
+# Which helper functions (in templates/prelude.py) a body may call.
+HELPERS = ("flexfa_tanh", "flexfa_sign", "flexfa_pow", "flexfa_floordiv", "flexfa_floormod")
+
+
+@dataclasses.dataclass(frozen=True)
+class CaptureParams:
+    """The parameter names through which one captured tensor reaches a device function."""
+
+    capture: Capture
+
+    @property
+    def ptr(self) -> str:
+        return f"{self.capture.name}_ptr"
+
+    @property
+    def strides(self) -> tuple[str, ...]:
+        return tuple(f"{self.capture.name}_stride{d}" for d in range(self.capture.ndim))
+
+    @property
+    def sizes(self) -> tuple[str, ...]:
+        return tuple(f"{self.capture.name}_size{d}" for d in range(self.capture.ndim))
+
+    @property
+    def grad_ptr(self) -> str:
+        return f"{self.capture.name}_grad_ptr"
+
+    def names(self) -> tuple[str, ...]:
+        return (self.ptr, *self.strides, *self.sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModSource:
+    """A rendered device function: its name, full source and parameters after the fixed ones."""
+
+    name: str
+    source: str
+    params: tuple[str, ...]
+
+
+def capture_params(traced: TracedMod) -> tuple[CaptureParams, ...]:
+    return tuple(CaptureParams(c) for c in traced.captures)
+
+
+def _literal(node: Node) -> str:
+    v = node.arg
+    if node.dtype.is_bool:
+        return "True" if v else "False"
+    if node.dtype.is_int:
+        return f"tl.full([], {v}, tl.int64)" if node.dtype is DType.INT64 else str(v)
+    if math.isnan(v):
+        text = 'float("nan")'
+    elif math.isinf(v):
+        text = 'float("inf")' if v > 0 else '-float("inf")'
+    else:
+        text = repr(v)
+    if node.dtype is not DType.FLOAT32:
+        return f"tl.full([], {text}, {TL_DTYPE[node.dtype]})"
+    return text
+
+
+def provably_nonnegative(node: Node) -> bool:
+    """A cheap sufficient check that an integer expression is >= 0 (indices, lengths, ...)."""
+    op = node.op
+    if op is Op.VAR:
+        return node.arg in ("b", "h", "q_idx", "kv_idx")
+    if op is Op.CONST:
+        return not node.dtype.is_bool and node.arg >= 0
+    if op is Op.ABS:
+        return True
+    if op in (Op.ADD, Op.MUL, Op.MIN, Op.FLOORDIV, Op.MOD):
+        return all(provably_nonnegative(s) for s in node.srcs)
+    if op is Op.MAX:
+        return any(provably_nonnegative(s) for s in node.srcs)
+    if op is Op.WHERE:
+        return all(provably_nonnegative(s) for s in node.srcs[1:])
+    if op is Op.CAST and node.dtype.is_int and node.srcs[0].dtype.is_int:
+        return provably_nonnegative(node.srcs[0])
+    return op is Op.CAST and node.srcs[0].dtype.is_bool
+
+
+class _Body:
+    """Emits SSA lines for a set of roots; leaves are inlined."""
+
+    def __init__(self, param_of_var: dict[str, str]) -> None:
+        self.param_of_var = param_of_var
+        self.names: dict[int, str] = {}
+        self.lines: list[str] = []
+        self._keep: list[Node] = []
+
+    def name(self, node: Node) -> str:
+        return self.names[id(node)]
+
+    def emit(self, roots: list[Node]) -> None:
+        for n in toposort(roots):
+            if id(n) in self.names:
+                continue
+            self._keep.append(n)
+            if n.op is Op.CONST:
+                self.names[id(n)] = _literal(n)
+            elif n.op is Op.VAR:
+                self.names[id(n)] = self.param_of_var[n.arg]
+            elif n.op is Op.CAPTURE:
+                self.names[id(n)] = CaptureParams(n.arg).ptr
+            else:
+                tmp = f"t{len(self.lines)}"
+                self.lines.append(f"{tmp} = {self._expr(n)}")
+                self.names[id(n)] = tmp
+
+    def _expr(self, n: Node) -> str:
+        op = n.op
+        a = [self.name(s) for s in n.srcs]
+        if op is Op.LOAD:
+            return self._load(n)
+        if op is Op.CAST:
+            if n.dtype.is_bool:
+                return f"({a[0]} != 0)"
+            return f"{a[0]}.to({TL_DTYPE[n.dtype]})"
+        if op is Op.NEG:
+            return f"-{a[0]}"
+        if op is Op.NOT:
+            return f"({a[0]} == 0)" if n.dtype.is_bool else f"~{a[0]}"
+        if op in _UNARY_FN:
+            return f"{_UNARY_FN[op]}({a[0]})"
+        if op in _INFIX:
+            return f"{a[0]} {_INFIX[op]} {a[1]}"
+        if op is Op.MIN:
+            return f"tl.minimum({a[0]}, {a[1]})"
+        if op is Op.MAX:
+            return f"tl.maximum({a[0]}, {a[1]})"
+        if op is Op.WHERE:
+            return f"tl.where({a[0]}, {a[1]}, {a[2]})"
+        if op is Op.POW:
+            if n.dtype.is_float:
+                return f"flexfa_pow({a[0]}, {a[1]})"
+            # Integer powers go through float and round back (exact below 2**24).
+            return f"tl.floor(flexfa_pow({a[0]}.to(tl.float32), {a[1]}.to(tl.float32)) + 0.5).to({TL_DTYPE[n.dtype]})"
+        if op is Op.FLOORDIV:
+            if n.dtype.is_float:
+                return f"tl.floor({a[0]} / {a[1]})"
+            if all(provably_nonnegative(s) for s in n.srcs):
+                return f"{a[0]} // {a[1]}"  # C truncation equals floor for non-negative operands
+            return f"flexfa_floordiv({a[0]}, {a[1]})"
+        if op is Op.MOD:
+            if n.dtype.is_float:
+                return f"{a[0]} - tl.floor({a[0]} / {a[1]}) * {a[1]}"
+            if all(provably_nonnegative(s) for s in n.srcs):
+                return f"{a[0]} % {a[1]}"
+            return f"flexfa_floormod({a[0]}, {a[1]})"
+        raise NotImplementedError(f"no Triton lowering for {op}")  # pragma: no cover
+
+    def _load(self, n: Node) -> str:
+        cap: Capture = n.srcs[0].arg
+        p = CaptureParams(cap)
+        idx = [self.name(s) for s in n.srcs[1:]]
+        if not idx:
+            return f"tl.load({p.ptr}).to({TL_DTYPE[n.dtype]})"
+        offset = " + ".join(f"{i} * {s}" for i, s in zip(idx, p.strides))
+        guards = []
+        for node, i, size in zip(n.srcs[1:], idx, p.sizes):
+            if not provably_nonnegative(node):
+                guards.append(f"({i} >= 0)")
+            guards.append(f"({i} < {size})")
+        # `!= 0` keeps the mask boolean where a scalar guard meets a tile guard (Triton's
+        # interpreter widens that `&` to an integer array). See Note [Loads out of bounds] in
+        # flexfa/ir/evaluate.py for why loads are guarded at all.
+        mask = " & ".join(guards)
+        return f"tl.load({p.ptr} + {offset}, mask=({mask}) != 0, other=0).to({TL_DTYPE[n.dtype]})"
+
+
+def _function(name: str, params: list[str], lines: list[str], ret: str, doc: str) -> str:
+    body = "\n".join(f"    {line}" for line in lines)
+    sig = ",\n".join(f"    {p}" for p in params)
+    parts = [f"@triton.jit\ndef {name}(\n{sig},\n):", f'    """{doc}"""']
+    if body:
+        parts.append(body)
+    parts.append(f"    return {ret}")
+    return "\n".join(parts) + "\n"
+
+
+_VAR_PARAMS = {v: v for v in ("score", "b", "h", "q_idx", "kv_idx")}
+
+
+def emit_mod(traced: TracedMod, fn_name: str) -> ModSource:
+    """The forward device function of a score_mod or mask_mod."""
+    caps = capture_params(traced)
+    extra = tuple(p for c in caps for p in c.names())
+    body = _Body(_VAR_PARAMS)
+    body.emit([traced.output])
+    ret = body.name(traced.output)
+    if traced.kind == "score_mod" and "score" not in traced.variables:
+        ret = f"tl.broadcast_to({ret}, score.shape)"  # a constant score still fills the tile
+    params = [*traced.params, *extra]
+    doc = f"{traced.kind} {traced.name!r}, traced by flexfa."
+    return ModSource(fn_name, _function(fn_name, params, body.lines, ret, doc), extra)
+
+
+def emit_score_mod_grad(
+    traced: TracedMod, grad: ScoreModGradient, fn_name: str, grad_slots: frozenset[int]
+) -> ModSource:
+    """The backward device function of a score_mod (see the module docstring).
+
+    It takes one gradient pointer per slot in `grad_slots`, in slot order, whether or not the
+    score_mod's value depends on that capture (a zero derivative adds nothing).
+    """
+    caps = capture_params(traced)
+    grad_caps = sorted(grad_slots)
+    extra = (
+        *(p for c in caps for p in c.names()),
+        *(caps[slot].grad_ptr for slot in grad_caps),
+    )
+    body = _Body(_VAR_PARAMS)
+    body.emit([grad.d_score, *(g.d_load for g in grad.loads), *(g.load for g in grad.loads)])
+    lines = list(body.lines)
+    lines.append(f"d_score = tl.where(live, grad * {body.name(grad.d_score)}, 0.0)")
+    if grad.loads:
+        lines.append("if WITH_CAPTURE_GRADS:")
+        for i, g in enumerate(grad.loads):
+            lines.extend("    " + line for line in _scatter_lines(i, g.load, g.d_load, body, caps))
+    params = [
+        *traced.params,
+        "grad",
+        "live",
+        *extra,
+        "WITH_CAPTURE_GRADS: tl.constexpr",
+        "Q_AXIS: tl.constexpr",
+    ]
+    doc = f"gradient of score_mod {traced.name!r} (derived by flexfa's autodiff)."
+    return ModSource(fn_name, _function(fn_name, params, lines, "d_score", doc), tuple(extra))
+
+
+def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, caps) -> list[str]:
+    """Atomic scatter-add of grad * d_load into the capture's gradient (Note [Scatter-add ...])."""
+    cap: Capture = load.srcs[0].arg
+    p = caps[cap.slot]
+    index_nodes = load.srcs[1:]
+    deps: set[str] = set()
+    for node in index_nodes:
+        deps |= {n.arg for n in toposort([node]) if n.op is Op.VAR}
+    c = f"c{i}"
+    lines = [f"{c} = tl.where(live, grad * {body.name(d_load)}, 0.0)"]
+    uses_q, uses_kv = "q_idx" in deps, "kv_idx" in deps
+    if not uses_q and not uses_kv:
+        lines.append(f"{c} = tl.sum(tl.sum({c}, 1, keep_dims=True), 0, keep_dims=True)")
+    elif not uses_kv:
+        lines.append(f"{c} = tl.sum({c}, 1 - Q_AXIS, keep_dims=True)")
+    elif not uses_q:
+        lines.append(f"{c} = tl.sum({c}, Q_AXIS, keep_dims=True)")
+    idx = [body.name(s) for s in index_nodes]
+    if idx:
+        offset = " + ".join(f"{ix} * {s}" for ix, s in zip(idx, p.strides))
+        guards = " & ".join(f"({ix} >= 0) & ({ix} < {size})" for ix, size in zip(idx, p.sizes))
+        # Broadcast the offsets to the (possibly reduced) contribution's shape.
+        lines.append(f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)")
+        lines.append(f"tl.atomic_add({p.grad_ptr} + o{i}, {c}, mask=({guards}) != 0)")
+    else:
+        lines.append(f"tl.atomic_add({p.grad_ptr} + tl.zeros_like({c}).to(tl.int32), {c})")
+    return lines
