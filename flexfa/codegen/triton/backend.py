@@ -12,6 +12,7 @@ import logging
 import time
 import types
 import weakref
+from typing import Any
 
 import torch
 
@@ -86,26 +87,53 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
     return flags
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class KernelLaunch:
+    """One kernel launch as data: which kernel, grid, arguments, constexprs and options.
+
+    `launch()` runs it; `flexfa.codegen.triton.offline.compile_launch` compiles the same launch for
+    a GPU architecture without a GPU (tests and `python -m flexfa export --ptx` use that).
+    """
+
+    name: str
+    kernel: Any
+    grid: tuple[int, int]
+    args: tuple
+    constexprs: dict[str, Any]
+    num_warps: int
+    num_stages: int
+    key: KernelKey
+    label: str
+
+    def arg_names(self) -> list[str]:
+        return [n for n in self.kernel.arg_names if n not in self.constexprs]
+
+
 _launched: set[str] = set()
 
 
-def _launch(kernel, grid, key: KernelKey, label: str, *args, **constexprs) -> None:
-    """Launch, logging the first launch of each specialization if it takes long (a compile)."""
-    first = key.digest not in _launched
-    if not first:
-        kernel[grid](*args, **constexprs)
+def launch(kl: KernelLaunch) -> None:
+    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
+    run = lambda: kl.kernel[kl.grid](
+        *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
+    )
+    if kl.key.digest in _launched:
+        run()
         return
     start = time.perf_counter()
-    kernel[grid](*args, **constexprs)
+    run()
     if torch.cuda.is_available() and not config.triton_interpret:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    _launched.add(key.digest)
+    _launched.add(kl.key.digest)
     level = (
         logging.INFO if (elapsed > _COMPILE_LOG_SECONDS or config.log_compiles) else logging.DEBUG
     )
     log.log(
-        level, "flexfa: %s kernel ready in %.2f s (compile or load on first use)", label, elapsed
+        level,
+        "flexfa: %s kernel ready in %.2f s (compiled or loaded on first use)",
+        kl.label,
+        elapsed,
     )
 
 
@@ -123,12 +151,15 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
 class Launcher:
     """One call's kernels, configs and launch arguments (shared by forward and backward)."""
 
-    def __init__(self, spec: AttentionSpec) -> None:
+    def __init__(self, spec: AttentionSpec, capability: tuple[int, int] | None = None) -> None:
+        """`capability` overrides the device's (major, minor), for compiling without a GPU."""
         self.spec = spec
         self.mask = None if spec.mask.is_trivially_true else spec.mask
         self.grad_slots = spec.score_grad_slots
         self.key, self.module = load_module(spec.score_mod, self.mask, self.grad_slots)
-        self.configs = _resolve_configs(spec)
+        if capability is None:
+            capability = cfgs.device_capability(spec.device)
+        self.configs = _resolve_configs(spec, capability)
         self.flags = _list_flags(spec.block_mask)
         if spec.dtype == torch.float32:
             self.precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
@@ -161,66 +192,81 @@ class Launcher:
             self.mask, mask_tensors
         )
 
-    def forward(self, q, k, v, score_tensors):
+    def _make(
+        self, name: str, kernel, grid, args: list, constexprs: dict, cfg, label: str
+    ) -> KernelLaunch:
+        num_warps = getattr(cfg, "num_warps", 4)
+        num_stages = getattr(cfg, "num_stages", 1)
+        return KernelLaunch(
+            name=name,
+            kernel=kernel,
+            grid=grid,
+            args=tuple(args),
+            constexprs=constexprs,
+            num_warps=num_warps,
+            num_stages=num_stages,
+            key=self._kernel_key(name, cfg, **constexprs),
+            label=self._label(label),
+        )
+
+    def _shape_constexprs(self) -> dict[str, Any]:
         spec = self.spec
-        bm = spec.block_mask
-        cfg = self.configs.fwd
-        B, Hq, Lq, Lkv = spec.batch, spec.heads_q, spec.len_q, spec.len_kv
-        out = torch.empty(B, Hq, Lq, spec.head_dim_v, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, Hq, Lq, dtype=torch.float32, device=q.device)
-        constexprs = dict(
+        return dict(
             HEAD_DIM=spec.head_dim,
             HEAD_DIM_V=spec.head_dim_v,
             HEAD_DIM_PAD=self.head_dim_pad,
             HEAD_DIM_V_PAD=self.head_dim_v_pad,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            SPARSE_Q=bm.block_size.q,
-            SPARSE_KV=bm.block_size.kv,
-            EVEN_M=Lq % cfg.block_m == 0,
-            EVEN_N=Lkv % cfg.block_n == 0,
-            HAS_PARTIAL=self.flags.has_kv_partial,
-            HAS_FULL=self.flags.has_kv_full,
+            SPARSE_Q=spec.block_mask.block_size.q,
+            SPARSE_KV=spec.block_mask.block_size.kv,
             INPUT_PRECISION=self.precision,
         )
-        key = self._kernel_key("fwd", cfg, **constexprs)
-        grid = (triton_cdiv(Lq, cfg.block_m), B * Hq)
-        _launch(
-            self.module.flexfa_fwd,
-            grid,
-            key,
-            self._label("forward"),
-            q,
-            k,
-            v,
-            out,
-            lse,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *out.stride(),
-            lse.stride(0),
-            lse.stride(1),
-            *_ListArgs(bm.kv_partial, bm.kv_full).args(),
-            Lq,
-            Lkv,
-            Hq,
-            spec.group_size,
-            spec.scale,
-            *self._mod_args(score_tensors),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **constexprs,
-        )
-        return out, lse
 
-    def backward(self, q, k, v, out, lse, dout, dlse, score_tensors, grad_slots):
+    def forward_launch(self, q, k, v, out, lse, score_tensors) -> KernelLaunch:
+        spec = self.spec
+        bm = spec.block_mask
+        cfg = self.configs.fwd
+        Lq, Lkv = spec.len_q, spec.len_kv
+        constexprs = dict(
+            self._shape_constexprs(),
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            # Loops walk whole KV blocks, so columns are in range only if blocks divide KV_LEN.
+            EVEN_M=Lq % cfg.block_m == 0,
+            EVEN_N=Lkv % bm.block_size.kv == 0,
+            HAS_PARTIAL=self.flags.has_kv_partial,
+            HAS_FULL=self.flags.has_kv_full,
+        )
+        args = [
+            q, k, v, out, lse,
+            *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
+            *_ListArgs(bm.kv_partial, bm.kv_full).args(),
+            Lq, Lkv, spec.heads_q, spec.group_size, spec.scale,
+            *self._mod_args(score_tensors),
+        ]  # fmt: skip
+        grid = (triton_cdiv(Lq, cfg.block_m), spec.batch * spec.heads_q)
+        return self._make("fwd", self.module.flexfa_fwd, grid, args, constexprs, cfg, "forward")
+
+    def backward_launches(
+        self,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        dlse,
+        delta,
+        dq,
+        dk,
+        dv,
+        score_tensors,
+        grads,
+        capture_grads: bool,
+    ) -> list[KernelLaunch]:
         spec = self.spec
         bm = spec.block_mask
         cfg = self.configs.bwd
         B, Hq, Hkv, Lq, Lkv = spec.batch, spec.heads_q, spec.heads_kv, spec.len_q, spec.len_kv
-        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
-        delta = torch.empty_like(lse)
         pre_block = 64
         pre_constexprs = dict(
             HEAD_DIM_V=spec.head_dim_v,
@@ -228,124 +274,88 @@ class Launcher:
             BLOCK_M=pre_block,
             HAS_DLSE=dlse is not None,
         )
-        _launch(
-            self.module.flexfa_bwd_preprocess,
-            (triton_cdiv(Lq, pre_block), B * Hq),
-            self._kernel_key("bwd_preprocess", cfg, **pre_constexprs),
-            self._label("backward preprocess"),
-            out,
-            dout,
-            dlse if dlse is not None else lse,
-            delta,
-            *out.stride(),
-            *dout.stride(),
-            lse.stride(0),
-            lse.stride(1),
-            Lq,
-            Hq,
-            **pre_constexprs,
-        )
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        dv = torch.empty_like(v)
+        pre_args = [
+            out, dout, dlse if dlse is not None else lse, delta,
+            *out.stride(), *dout.stride(), lse.stride(0), lse.stride(1), Lq, Hq,
+        ]  # fmt: skip
         mod_args = self._mod_args(score_tensors)
-        common = dict(
-            HEAD_DIM=spec.head_dim,
-            HEAD_DIM_V=spec.head_dim_v,
-            HEAD_DIM_PAD=self.head_dim_pad,
-            HEAD_DIM_V_PAD=self.head_dim_v_pad,
-            SPARSE_Q=bm.block_size.q,
-            SPARSE_KV=bm.block_size.kv,
-            INPUT_PRECISION=self.precision,
-        )
         dkdv_constexprs = dict(
-            common,
+            self._shape_constexprs(),
             BLOCK_M=cfg.block_m1,
             BLOCK_N=cfg.block_n1,
-            EVEN_M=Lq % cfg.block_m1 == 0,
+            EVEN_M=Lq % bm.block_size.q == 0,
             EVEN_N=Lkv % cfg.block_n1 == 0,
             HAS_PARTIAL=self.flags.has_q_partial,
             HAS_FULL=self.flags.has_q_full,
         )
-        _launch(
-            self.module.flexfa_bwd_dkdv,
-            (triton_cdiv(Lkv, cfg.block_n1), B * Hkv),
-            self._kernel_key("bwd_dkdv", cfg, **dkdv_constexprs),
-            self._label("backward dK/dV"),
-            q,
-            k,
-            v,
-            dout,
-            dk,
-            dv,
-            lse,
-            delta,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dout.stride(),
-            *dk.stride(),
-            *dv.stride(),
-            lse.stride(0),
-            lse.stride(1),
+        dkdv_args = [
+            q, k, v, dout, dk, dv, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
+            lse.stride(0), lse.stride(1),
             *_ListArgs(bm.q_partial, bm.q_full).args(),
-            Lq,
-            Lkv,
-            Hq,
-            spec.group_size,
-            spec.scale,
+            Lq, Lkv, Hq, spec.group_size, spec.scale,
             *mod_args,
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **dkdv_constexprs,
+        ]  # fmt: skip
+        dq_constexprs = dict(
+            self._shape_constexprs(),
+            BLOCK_M=cfg.block_m2,
+            BLOCK_N=cfg.block_n2,
+            EVEN_M=Lq % cfg.block_m2 == 0,
+            EVEN_N=Lkv % bm.block_size.kv == 0,
+            HAS_PARTIAL=self.flags.has_kv_partial,
+            HAS_FULL=self.flags.has_kv_full,
+            CAPTURE_GRADS=capture_grads,
         )
+        # Every captured tensor needing a gradient has a buffer (the kernel's signature has one
+        # pointer per such capture); CAPTURE_GRADS=False skips the scatter entirely.
+        dq_args = [
+            q, k, v, dout, dq, lse, delta,
+            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
+            lse.stride(0), lse.stride(1),
+            *_ListArgs(bm.kv_partial, bm.kv_full).args(),
+            Lq, Lkv, Hq, spec.group_size, spec.scale,
+            *mod_args, *grads,
+        ]  # fmt: skip
+        m = self.module
+        return [
+            self._make(
+                "bwd_preprocess", m.flexfa_bwd_preprocess, (triton_cdiv(Lq, pre_block), B * Hq),
+                pre_args, pre_constexprs, cfg, "backward preprocess",
+            ),
+            self._make(
+                "bwd_dkdv", m.flexfa_bwd_dkdv, (triton_cdiv(Lkv, cfg.block_n1), B * Hkv),
+                dkdv_args, dkdv_constexprs, cfg, "backward dK/dV",
+            ),
+            self._make(
+                "bwd_dq", m.flexfa_bwd_dq, (triton_cdiv(Lq, cfg.block_m2), B * Hq),
+                dq_args, dq_constexprs, cfg, "backward dQ",
+            ),
+        ]  # fmt: skip
+
+    def forward(self, q, k, v, score_tensors):
+        spec = self.spec
+        out = torch.empty(
+            spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v, dtype=q.dtype, device=q.device
+        )
+        lse = torch.empty(
+            spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device
+        )
+        launch(self.forward_launch(q, k, v, out, lse, score_tensors))
+        return out, lse
+
+    def backward(self, q, k, v, out, lse, dout, dlse, score_tensors, grad_slots):
+        dout = dout.contiguous() if dout.stride(-1) != 1 else dout
+        delta = torch.empty_like(lse)
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         grads = {
             slot: torch.zeros(score_tensors[slot].shape, dtype=torch.float32, device=q.device)
             for slot in sorted(self.grad_slots)
         }
-        dq_constexprs = dict(
-            common,
-            BLOCK_M=cfg.block_m2,
-            BLOCK_N=cfg.block_n2,
-            EVEN_M=Lq % cfg.block_m2 == 0,
-            EVEN_N=Lkv % cfg.block_n2 == 0,
-            HAS_PARTIAL=self.flags.has_kv_partial,
-            HAS_FULL=self.flags.has_kv_full,
-            CAPTURE_GRADS=bool(grad_slots),
-        )
-        # Every captured tensor needing a gradient gets a buffer (the kernel's signature has one
-        # pointer per such capture); CAPTURE_GRADS=False skips the scatter entirely.
-        _launch(
-            self.module.flexfa_bwd_dq,
-            (triton_cdiv(Lq, cfg.block_m2), B * Hq),
-            self._kernel_key("bwd_dq", cfg, **dq_constexprs),
-            self._label("backward dQ"),
-            q,
-            k,
-            v,
-            dout,
-            dq,
-            lse,
-            delta,
-            *q.stride(),
-            *k.stride(),
-            *v.stride(),
-            *dout.stride(),
-            *dq.stride(),
-            lse.stride(0),
-            lse.stride(1),
-            *_ListArgs(bm.kv_partial, bm.kv_full).args(),
-            Lq,
-            Lkv,
-            Hq,
-            spec.group_size,
-            spec.scale,
-            *mod_args,
-            *grads.values(),
-            num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages,
-            **dq_constexprs,
-        )
+        for kl in self.backward_launches(
+            q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, score_tensors,
+            list(grads.values()), bool(grad_slots),
+        ):  # fmt: skip
+            launch(kl)
         return dq, dk, dv, grads
 
 
@@ -353,8 +363,8 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _resolve_configs(spec: AttentionSpec) -> cfgs.KernelConfigs:
-    base = cfgs.default_configs(spec.device, spec.head_dim, spec.dtype)
+def _resolve_configs(spec: AttentionSpec, capability: tuple[int, int] | None) -> cfgs.KernelConfigs:
+    base = cfgs.default_configs(capability, spec.head_dim, spec.dtype)
     chosen = cfgs.apply_options(base, spec.kernel_options)
     fitted = cfgs.fit_to_block_mask(chosen, spec.block_mask.block_size)
     if fitted is None:  # supports() has checked this; keep the invariant explicit
@@ -404,6 +414,9 @@ class TritonBackend(Backend):
             return Support.no(
                 f"dtype {spec.dtype} is not supported (float16, bfloat16, float32 are)"
             )
+        if spec.dtype == torch.bfloat16 and spec.device.type == "cpu":
+            # Seen with Triton 3.9: its interpreter multiplies bfloat16 tiles incorrectly in tl.dot.
+            return Support.no("Triton's interpreter computes bfloat16 dot products incorrectly")
         if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
             return Support.no(f"head dims above {MAX_HEAD_DIM} are not supported")
         reason = cfgs.supports_block_size(spec.block_mask.block_size)

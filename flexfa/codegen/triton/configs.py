@@ -46,18 +46,24 @@ class KernelConfigs:
     bwd: BwdConfig
 
 
-def _capability(device: torch.device) -> tuple[int, int]:
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """(major, minor) of a CUDA device; None for the CPU (Triton's interpreter)."""
     if device.type != "cuda":
-        return (0, 0)
+        return None
     return torch.cuda.get_device_capability(device)
 
 
-def default_configs(device: torch.device, head_dim: int, dtype: torch.dtype) -> KernelConfigs:
-    """A good starting point without tuning (measured on H100 for sm90; conservative elsewhere)."""
-    if device.type != "cuda":
+def default_configs(
+    capability: tuple[int, int] | None, head_dim: int, dtype: torch.dtype
+) -> KernelConfigs:
+    """A good starting point without tuning (measured on H100 for sm90; conservative elsewhere).
+
+    `capability` is the GPU's (major, minor), or None for the interpreter on the CPU.
+    """
+    if capability is None:
         # The interpreter runs on the CPU: small tiles keep its numpy work short.
         return KernelConfigs(FwdConfig(32, 32, 4, 1), BwdConfig(32, 32, 32, 32, 4, 1))
-    major, _ = _capability(device)
+    major, _ = capability
     d = max(head_dim, 16)
     if dtype == torch.float32:
         return KernelConfigs(FwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 32, 32, 4, 1))

@@ -1,0 +1,126 @@
+"""Compile generated kernels for a GPU architecture without a GPU.
+
+Triton's compiler runs on any machine; only launching needs a device. `compile_launch` takes a
+`KernelLaunch` (what the backend would launch) and compiles the same kernel and specialization for,
+say, sm_90, returning Triton's compiled kernel with its `asm` dict (ttir, ttgir, llir, ptx, cubin).
+Tests use it to catch compile errors in CI, where there is no GPU, and
+`python -m flexfa export --ptx` uses it to write PTX next to the source.
+
+>>> import torch, flexfa
+>>> from flexfa.codegen.triton.offline import compile_call  # doctest: +SKIP
+>>> kernels = compile_call(q, k, v, score_mod=flexfa.mods.alibi, arch=90)  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flexfa.codegen.triton.backend import KernelLaunch
+
+_DTYPES = {
+    torch.float16: "fp16",
+    torch.bfloat16: "bf16",
+    torch.float32: "fp32",
+    torch.float64: "fp64",
+    torch.int32: "i32",
+    torch.int64: "i64",
+    torch.int16: "i16",
+    torch.int8: "i8",
+    torch.uint8: "u8",
+    torch.bool: "i1",
+}
+
+
+def _type_of(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return "*" + _DTYPES[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type a kernel argument of type {type(value).__name__}")
+
+
+def signature(kl: KernelLaunch) -> dict[str, str]:
+    """Triton's signature for the launch: argument name -> type (constexprs marked as such)."""
+    names = kl.arg_names()
+    if len(names) != len(kl.args):
+        raise ValueError(f"{kl.name}: {len(kl.args)} arguments for {len(names)} parameters")
+    sig = {n: _type_of(a) for n, a in zip(names, kl.args)}
+    for n in kl.constexprs:
+        sig[n] = "constexpr"
+    return {n: sig[n] for n in kl.kernel.arg_names}
+
+
+def compile_launch(kl: KernelLaunch, arch: int = 90):
+    """Compile one launch's kernel for `sm_<arch>` (CUDA); returns Triton's CompiledKernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = kl.kernel
+    constexprs = {(fn.arg_names.index(n),): v for n, v in kl.constexprs.items()}
+    src = ASTSource(fn=fn, signature=signature(kl), constexprs=constexprs)
+    return triton.compile(
+        src,
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": kl.num_warps, "num_stages": kl.num_stages},
+    )
+
+
+def meta_device_launches(
+    spec, *, capability: tuple[int, int] | None = None, with_backward: bool = True
+) -> list[KernelLaunch]:
+    """The launches a call would make, built on tensors of the spec's shapes (for offline compiles).
+
+    The tensors are real but tiny-cost placeholders on the CPU: only their dtypes matter to the
+    compiler, and nothing is launched.
+    """
+    from flexfa.codegen.triton.backend import Launcher
+
+    launcher = Launcher(spec, capability=capability)
+    B, Hq, Hkv = spec.batch, spec.heads_q, spec.heads_kv
+    Lq, Lkv, E, Ev = spec.len_q, spec.len_kv, spec.head_dim, spec.head_dim_v
+    dt = spec.dtype
+    q = torch.empty(B, Hq, Lq, E, dtype=dt)
+    k = torch.empty(B, Hkv, Lkv, E, dtype=dt)
+    v = torch.empty(B, Hkv, Lkv, Ev, dtype=dt)
+    out = torch.empty(B, Hq, Lq, Ev, dtype=dt)
+    lse = torch.empty(B, Hq, Lq, dtype=torch.float32)
+    score_tensors = tuple(spec.score_mod.tensors) if spec.score_mod is not None else ()
+    launches = [launcher.forward_launch(q, k, v, out, lse, score_tensors)]
+    if with_backward:
+        grads = [torch.empty(score_tensors[s].shape) for s in sorted(launcher.grad_slots)]
+        launches += launcher.backward_launches(
+            q, k, v, out, lse, out, None, torch.empty_like(lse), q, k, v, score_tensors, grads,
+            bool(grads),
+        )  # fmt: skip
+    return launches
+
+
+def compile_call(
+    q,
+    k,
+    v,
+    score_mod=None,
+    block_mask=None,
+    *,
+    arch: int = 90,
+    with_backward: bool = True,
+    **kwargs,
+):
+    """Compile every kernel `flexfa.attention(q, k, v, ...)` would launch, for `sm_<arch>`.
+
+    Returns {launch name: CompiledKernel}. q, k, v may be CPU tensors: nothing runs.
+    """
+    from flexfa.api import build_spec
+
+    spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
+    launches = meta_device_launches(
+        spec, capability=(arch // 10, arch % 10), with_backward=with_backward
+    )
+    return {kl.name: compile_launch(kl, arch) for kl in launches}
