@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 import types
 import weakref
@@ -19,6 +20,7 @@ import torch
 from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.codegen.triton import configs as cfgs
+from flexfa.codegen.triton import emit
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey
 from flexfa.config import config
@@ -261,7 +263,7 @@ class Launcher:
         dv,
         score_tensors,
         grads,
-        capture_grads: bool,
+        capture_mode: int,
     ) -> list[KernelLaunch]:
         spec = self.spec
         bm = spec.block_mask
@@ -304,10 +306,10 @@ class Launcher:
             EVEN_N=Lkv % bm.block_size.kv == 0,
             HAS_PARTIAL=self.flags.has_kv_partial,
             HAS_FULL=self.flags.has_kv_full,
-            CAPTURE_GRADS=capture_grads,
+            CAPTURE_MODE=capture_mode,
         )
         # Every captured tensor needing a gradient has a buffer (the kernel's signature has one
-        # pointer per such capture); CAPTURE_GRADS=False skips the scatter entirely.
+        # pointer per such capture); CAPTURE_MODE=0 compiles the scatter out.
         dq_args = [
             q, k, v, dout, dq, lse, delta,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
@@ -344,18 +346,39 @@ class Launcher:
         return out, lse
 
     def backward(self, q, k, v, out, lse, dout, dlse, score_tensors, grad_slots):
+        spec = self.spec
         dout = dout.contiguous() if dout.stride(-1) != 1 else dout
         delta = torch.empty_like(lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        grads = {
-            slot: torch.zeros(score_tensors[slot].shape, dtype=torch.float32, device=q.device)
-            for slot in sorted(self.grad_slots)
-        }
-        for kl in self.backward_launches(
-            q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, score_tensors,
-            list(grads.values()), bool(grad_slots),
-        ):  # fmt: skip
+        slots = sorted(self.grad_slots)
+        shapes = [score_tensors[s].shape for s in slots]
+        dev = q.device
+        common = (q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, score_tensors)
+        if not grad_slots:
+            bufs = [torch.empty(0, device=dev) for _ in slots]
+            extra = [torch.empty(0, device=dev)] if slots else []
+            for kl in self.backward_launches(*common, bufs + extra, 0):
+                launch(kl)
+            return dq, dk, dv, {}
+        if not spec.deterministic:
+            bufs = [torch.zeros(shape, dtype=torch.float32, device=dev) for shape in shapes]
+            for kl in self.backward_launches(*common, [*bufs, torch.empty(0, device=dev)], 1):
+                launch(kl)
+            return dq, dk, dv, dict(zip(slots, bufs))
+        # Deterministic: a full pass that also finds max |contribution| per capture, then the dQ
+        # kernel again accumulating in fixed point (Note [Deterministic captured gradients]).
+        ints = [torch.zeros(shape, dtype=torch.int64, device=dev) for shape in shapes]
+        scales = torch.zeros(len(slots), dtype=torch.float32, device=dev)
+        for kl in self.backward_launches(*common, [*ints, scales], 2):
             launch(kl)
+        pairs = spec.batch * spec.heads_q * spec.len_q * spec.len_kv
+        exponent = torch.floor(62.0 - torch.log2(scales.clamp_min(1e-30)) - math.log2(pairs))
+        scales.copy_(torch.where(scales > 0, torch.exp2(exponent.clamp(-126.0, 126.0)), 1.0))
+        launch(self.backward_launches(*common, [*ints, scales], 3)[-1])
+        grads = {
+            s: (i.to(torch.float64) / scales[j].to(torch.float64))
+            for j, (s, i) in enumerate(zip(slots, ints))
+        }
         return dq, dk, dv, grads
 
 
@@ -365,11 +388,21 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def _resolve_configs(spec: AttentionSpec, capability: tuple[int, int] | None) -> cfgs.KernelConfigs:
     base = cfgs.default_configs(capability, spec.head_dim, spec.dtype)
+    if capability is not None and _scatters_full_tiles(spec):
+        base = cfgs.for_tile_scatter(base)
     chosen = cfgs.apply_options(base, spec.kernel_options)
     fitted = cfgs.fit_to_block_mask(chosen, spec.block_mask.block_size)
     if fitted is None:  # supports() has checked this; keep the invariant explicit
         raise ValueError("kernel tile sizes cannot fit the BlockMask's block size")
     return fitted
+
+
+def _scatters_full_tiles(spec: AttentionSpec) -> bool:
+    """True if a captured gradient is scattered per pair (its index depends on q_idx and kv_idx)."""
+    if spec.score_mod is None or not spec.score_grad_slots:
+        return False
+    grad = spec.score_mod.gradient(spec.score_grad_slots)
+    return any(emit.index_axes(g.load) == {"q_idx", "kv_idx"} for g in grad.loads)
 
 
 class _TritonFunction(torch.autograd.Function):
@@ -391,7 +424,8 @@ class _TritonFunction(torch.autograd.Function):
             q, k, v, out, lse, dout, dlse, tuple(score_tensors), grad_slots
         )
         capture_grads = [
-            grads[i].to(t.dtype) if i in grad_slots else None for i, t in enumerate(score_tensors)
+            grads[i].to(t.dtype) if i in grad_slots and i in grads else None
+            for i, t in enumerate(score_tensors)
         ]
         return None, dq, dk, dv, *capture_grads
 
@@ -422,13 +456,9 @@ class TritonBackend(Backend):
         reason = cfgs.supports_block_size(spec.block_mask.block_size)
         if reason:
             return Support.no(reason)
-        if spec.deterministic and spec.score_grad_slots:
-            return Support.no(
-                "deterministic=True with gradients for captured tensors is not available in Triton"
-            )
         try:
             cfgs.apply_options(
-                cfgs.default_configs(spec.device, spec.head_dim, spec.dtype), spec.kernel_options
+                cfgs.default_configs(None, spec.head_dim, spec.dtype), spec.kernel_options
             )
         except (ValueError, TypeError) as e:
             return Support.no(str(e))

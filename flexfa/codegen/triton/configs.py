@@ -78,6 +78,20 @@ def default_configs(
     return KernelConfigs(FwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 32, 32, 4, 1))
 
 
+def for_tile_scatter(configs: KernelConfigs) -> KernelConfigs:
+    """Smaller dQ tiles when the dQ kernel scatters a captured gradient for every pair.
+
+    # Note [Shared memory of per-pair scatters]
+    # A per-pair atomic scatter (e.g. the gradient of bias[h, q_idx - kv_idx]) makes Triton stage the
+    # [block_m2, block_n2] contribution tile through shared memory on top of the pipelined K/V
+    # buffers; at (128, 64) with 3 stages and D=128 that measured 233 KB on an H100 (Triton 3.6),
+    # over its 227 KB limit. Halving block_m2 halves the staging.
+    """
+    return dataclasses.replace(
+        configs, bwd=dataclasses.replace(configs.bwd, block_m2=min(configs.bwd.block_m2, 64))
+    )
+
+
 def apply_options(base: KernelConfigs, options: Mapping[str, Any]) -> KernelConfigs:
     """Override fields from `kernel_options` (unknown keys raise ValueError)."""
     unknown = set(options) - KNOWN_OPTIONS - {"step_columns"}

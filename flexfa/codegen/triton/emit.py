@@ -5,7 +5,7 @@ Signatures (one fixed shape per role; kernels call the functions by name):
     score_mod  <name>(score, b, h, q_idx, kv_idx, <capture params>)       -> new score
     mask_mod   <name>(b, h, q_idx, kv_idx, <capture params>)              -> bool
     score grad <name>_bwd(score, b, h, q_idx, kv_idx, grad, live, <capture params>,
-                          <capture grad pointers>, WITH_CAPTURE_GRADS, Q_AXIS)
+                          <capture grad pointers>, capture_scales, CAPTURE_MODE, Q_AXIS)
                                                                    -> grad * d new_score / d score
 
 Capture params, per captured tensor `c` of rank n: `c_ptr, c_stride0..n-1, c_size0..n-1`; in the
@@ -21,6 +21,19 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 # the same element, so the function first sums the contributions along that axis and issues one
 # atomic per row (column); an index that depends on neither costs one atomic per tile. `Q_AXIS`
 # says which tile axis runs over queries, so the reduction axis is known at compile time.
+#
+# Note [Deterministic captured gradients]
+# Floating-point atomics add in whatever order programs arrive, so float gradients of captured
+# tensors differ in the last bits from run to run. With `deterministic=True` they are accumulated in
+# fixed point instead: integer addition is associative, so int64 atomics give bitwise-repeatable
+# sums in any order. `CAPTURE_MODE` selects what the scatter does:
+#   0  nothing (no captured tensor needs a gradient)
+#   1  float32 atomic add (default, fastest)
+#   2  first pass of the deterministic mode: atomic max of |contribution| per capture into
+#      capture_scales[j] (max is order-independent)
+#   3  second pass: add round(contribution * capture_scales[j]) as int64, where the launcher chose
+#      the scale 2**k so that (number of pairs) * max |contribution| * scale < 2**62: no overflow,
+#      and a quantization step far below float32 rounding of the contribution itself.
 """
 
 from __future__ import annotations
@@ -282,38 +295,48 @@ def emit_score_mod_grad(
     extra = (
         *(p for c in caps for p in c.names()),
         *(caps[slot].grad_ptr for slot in grad_caps),
+        *(("capture_scales",) if grad_caps else ()),
     )
     body = _Body(_VAR_PARAMS)
     body.emit([grad.d_score, *(g.d_load for g in grad.loads), *(g.load for g in grad.loads)])
     lines = list(body.lines)
     lines.append(f"d_score = tl.where(live, grad * {body.name(grad.d_score)}, 0.0)")
-    if grad.loads:
-        lines.append("if WITH_CAPTURE_GRADS:")
+    if grad.loads and grad_caps:
+        lines.append("if CAPTURE_MODE != 0:")
         for i, g in enumerate(grad.loads):
-            lines.extend("    " + line for line in _scatter_lines(i, g.load, g.d_load, body, caps))
+            j = grad_caps.index(g.slot)
+            lines.extend(
+                "    " + line for line in _scatter_lines(i, j, g.load, g.d_load, body, caps)
+            )
     params = [
         *traced.params,
         "grad",
         "live",
         *extra,
-        "WITH_CAPTURE_GRADS: tl.constexpr",
+        "CAPTURE_MODE: tl.constexpr",
         "Q_AXIS: tl.constexpr",
     ]
     doc = f"gradient of score_mod {traced.name!r} (derived by flexfa's autodiff)."
     return ModSource(fn_name, _function(fn_name, params, lines, "d_score", doc), tuple(extra))
 
 
-def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, caps) -> list[str]:
+def index_axes(load: Node) -> frozenset[str]:
+    """Which of q_idx / kv_idx a load's indices depend on (decides how its gradient scatters)."""
+    deps: set[str] = set()
+    for node in load.srcs[1:]:
+        deps |= {n.arg for n in toposort([node]) if n.op is Op.VAR}
+    return frozenset(deps & {"q_idx", "kv_idx"})
+
+
+def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) -> list[str]:
     """Atomic scatter-add of grad * d_load into the capture's gradient (Note [Scatter-add ...])."""
     cap: Capture = load.srcs[0].arg
     p = caps[cap.slot]
     index_nodes = load.srcs[1:]
-    deps: set[str] = set()
-    for node in index_nodes:
-        deps |= {n.arg for n in toposort([node]) if n.op is Op.VAR}
+    axes = index_axes(load)
     c = f"c{i}"
     lines = [f"{c} = tl.where(live, grad * {body.name(d_load)}, 0.0)"]
-    uses_q, uses_kv = "q_idx" in deps, "kv_idx" in deps
+    uses_q, uses_kv = "q_idx" in axes, "kv_idx" in axes
     if not uses_q and not uses_kv:
         lines.append(f"{c} = tl.sum(tl.sum({c}, 1, keep_dims=True), 0, keep_dims=True)")
     elif not uses_kv:
@@ -326,7 +349,21 @@ def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, caps) -> list[
         guards = " & ".join(f"({ix} >= 0) & ({ix} < {size})" for ix, size in zip(idx, p.sizes))
         # Broadcast the offsets to the (possibly reduced) contribution's shape.
         lines.append(f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)")
-        lines.append(f"tl.atomic_add({p.grad_ptr} + o{i}, {c}, mask=({guards}) != 0)")
+        # Adding zeros gives the guard the contribution's shape (and a boolean type in Triton's
+        # interpreter too, whose `&` of a scalar and a tile yields integers).
+        lines.append(f"m{i} = (({guards}) + tl.zeros_like(o{i})) != 0")
+        mask = f", mask=m{i}"
     else:
-        lines.append(f"tl.atomic_add({p.grad_ptr} + tl.zeros_like({c}).to(tl.int32), {c})")
+        lines.append(f"o{i} = tl.zeros_like({c}).to(tl.int32)")
+        mask = ""
+    # See Note [Deterministic captured gradients] for the modes.
+    lines += [
+        "if CAPTURE_MODE == 1:",
+        f"    tl.atomic_add({p.grad_ptr} + o{i}, {c}{mask})",
+        "elif CAPTURE_MODE == 2:",
+        f"    tl.atomic_max(capture_scales + {j}, tl.max(tl.max(tl.abs({c}), 1), 0))",
+        "else:",
+        f"    q{i} = tl.floor({c} * tl.load(capture_scales + {j}) + 0.5).to(tl.int64)",
+        f"    tl.atomic_add({p.grad_ptr} + o{i}, q{i}{mask})",
+    ]
     return lines

@@ -137,8 +137,13 @@ def template_params(
         caps = emit.capture_params(score)
         grad_caps = sorted(grad_slots)
         grad_names = [f"sm_{caps[s].grad_ptr}" for s in grad_caps]
+        if grad_caps:
+            grad_names.append("capture_scales")
         score_grad_names = score_names + grad_names
-        nograd_names = score_names + [f"sm_{caps[s].ptr}" for s in grad_caps]  # never dereferenced
+        # In the dK/dV kernel the scatter is compiled out (mode 0): any pointer fills the slots.
+        nograd_names = score_names + [f"sm_{caps[s].ptr}" for s in grad_caps]
+        if grad_caps:
+            nograd_names.append(f"sm_{caps[grad_caps[0]].ptr}")
     if mask is not None:
         mask_src = emit.emit_mod(mask, f"mask_mod_{mask.name}")
         mask_names = [f"mm_{p}" for p in mask_src.params]

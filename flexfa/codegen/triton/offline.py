@@ -95,9 +95,11 @@ def meta_device_launches(
     launches = [launcher.forward_launch(q, k, v, out, lse, score_tensors)]
     if with_backward:
         grads = [torch.empty(score_tensors[s].shape) for s in sorted(launcher.grad_slots)]
+        if grads:
+            grads.append(torch.empty(len(grads)))  # the capture-scales buffer
         launches += launcher.backward_launches(
             q, k, v, out, lse, out, None, torch.empty_like(lse), q, k, v, score_tensors, grads,
-            bool(grads),
+            1 if grads else 0,
         )  # fmt: skip
     return launches
 
