@@ -15,6 +15,7 @@ from flexfa.api import attention, build_spec, explain_backend
 from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
 from flexfa.blockmask.build import create_block_mask
 from flexfa.config import config
+from flexfa.export import export_source
 from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
 from flexfa.masks import and_masks, noop_mask, or_masks
 
@@ -32,6 +33,7 @@ __all__ = [
     "config",
     "create_block_mask",
     "explain_backend",
+    "export_source",
     "masks",
     "mods",
     "noop_mask",

@@ -8,7 +8,7 @@ the environment, or use `config.override(...)`, at any point.
 | FLEXFA_CACHE_DIR | where compiled-kernel sources and tuning results are kept | the user cache dir |
 | FLEXFA_VERIFY_IR | check IR invariants after every pass | on under pytest |
 | FLEXFA_DUMP_IR | a directory: write each traced mod's IR there | unset |
-| FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 1 |
+| FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 0 |
 | FLEXFA_LOG_COMPILES | log every kernel compile at INFO level (long ones are always logged) | 0 |
 """
 
@@ -72,7 +72,7 @@ class Config:
 
     @property
     def autotune(self) -> bool:
-        return self._get("autotune", lambda: _flag("FLEXFA_AUTOTUNE", True))
+        return self._get("autotune", lambda: _flag("FLEXFA_AUTOTUNE", False))
 
     @property
     def log_compiles(self) -> bool:

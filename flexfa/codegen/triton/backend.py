@@ -19,10 +19,10 @@ import torch
 
 from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
+from flexfa.codegen.triton import autotune, emit
 from flexfa.codegen.triton import configs as cfgs
-from flexfa.codegen.triton import emit
 from flexfa.codegen.triton.module import load_module
-from flexfa.codegen.triton.params import KernelKey, ModuleKey
+from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey, ModuleKey
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 from flexfa.spec import AttentionSpec
@@ -161,7 +161,17 @@ class Launcher:
         self.key, self.module = load_module(spec.score_mod, self.mask, self.grad_slots)
         if capability is None:
             capability = cfgs.device_capability(spec.device)
-        self.configs = _resolve_configs(spec, capability)
+        self.capability = capability
+        self.tuning_key = (
+            autotune.tuning_key(self.key.digest, spec.device, spec)
+            if spec.device.type == "cuda"
+            else None
+        )
+        tuned = cfgs.load_tuned(self.tuning_key) if self.tuning_key else None
+        self.configs = _resolve_configs(spec, capability, tuned)
+        pinned = set(spec.kernel_options) & (set(cfgs.FWD_OPTIONS) | set(cfgs.BWD_OPTIONS))
+        wants = spec.kernel_options.get("autotune", config.autotune)
+        self.tune = bool(wants) and tuned is None and not pinned and self.tuning_key is not None
         self.flags = _list_flags(spec.block_mask)
         if spec.dtype == torch.float32:
             self.precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
@@ -223,10 +233,12 @@ class Launcher:
             INPUT_PRECISION=self.precision,
         )
 
-    def forward_launch(self, q, k, v, out, lse, score_tensors) -> KernelLaunch:
+    def forward_launch(
+        self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None
+    ) -> KernelLaunch:
         spec = self.spec
         bm = spec.block_mask
-        cfg = self.configs.fwd
+        cfg = cfg or self.configs.fwd
         Lq, Lkv = spec.len_q, spec.len_kv
         constexprs = dict(
             self._shape_constexprs(),
@@ -264,10 +276,11 @@ class Launcher:
         score_tensors,
         grads,
         capture_mode: int,
+        cfg: BwdConfig | None = None,
     ) -> list[KernelLaunch]:
         spec = self.spec
         bm = spec.block_mask
-        cfg = self.configs.bwd
+        cfg = cfg or self.configs.bwd
         B, Hq, Hkv, Lq, Lkv = spec.batch, spec.heads_q, spec.heads_kv, spec.len_q, spec.len_kv
         pre_block = 64
         pre_constexprs = dict(
@@ -354,6 +367,11 @@ class Launcher:
         shapes = [score_tensors[s].shape for s in slots]
         dev = q.device
         common = (q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, score_tensors)
+        if self.tune:
+            buffers = [torch.zeros(shape, dtype=torch.float32, device=dev) for shape in shapes]
+            self._tune_backward(
+                common, [*buffers, torch.zeros(len(slots), device=dev)] if slots else []
+            )
         if not grad_slots:
             bufs = [torch.empty(0, device=dev) for _ in slots]
             extra = [torch.empty(0, device=dev)] if slots else []
@@ -386,9 +404,12 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _resolve_configs(spec: AttentionSpec, capability: tuple[int, int] | None) -> cfgs.KernelConfigs:
-    base = cfgs.default_configs(capability, spec.head_dim, spec.dtype)
-    if capability is not None and _scatters_full_tiles(spec):
+def _resolve_configs(
+    spec: AttentionSpec, capability: tuple[int, int] | None, tuned: cfgs.KernelConfigs | None = None
+) -> cfgs.KernelConfigs:
+    """Defaults (or tuned results), then options pinned in kernel_options, fitted to the BlockMask."""
+    base = tuned or cfgs.default_configs(capability, spec.head_dim, spec.dtype)
+    if tuned is None and capability is not None and _scatters_full_tiles(spec):
         base = cfgs.for_tile_scatter(base)
     chosen = cfgs.apply_options(base, spec.kernel_options)
     fitted = cfgs.fit_to_block_mask(chosen, spec.block_mask.block_size)

@@ -298,9 +298,12 @@ def emit_score_mod_grad(
         *(("capture_scales",) if grad_caps else ()),
     )
     body = _Body(_VAR_PARAMS)
-    body.emit([grad.d_score, *(g.d_load for g in grad.loads), *(g.load for g in grad.loads)])
+    # Only the loads' indices are needed here (their values enter through d_load when they matter).
+    body.emit(
+        [grad.d_score, *(g.d_load for g in grad.loads), *(i for g in grad.loads for i in g.indices)]
+    )
     lines = list(body.lines)
-    lines.append(f"d_score = tl.where(live, grad * {body.name(grad.d_score)}, 0.0)")
+    lines.append(f"d_score = tl.where(live, {_times(body, grad.d_score)}, 0.0)")
     if grad.loads and grad_caps:
         lines.append("if CAPTURE_MODE != 0:")
         for i, g in enumerate(grad.loads):
@@ -320,6 +323,13 @@ def emit_score_mod_grad(
     return ModSource(fn_name, _function(fn_name, params, lines, "d_score", doc), tuple(extra))
 
 
+def _times(body: _Body, derivative: Node) -> str:
+    """`grad * derivative`, written as `grad` when the derivative is the constant 1."""
+    if derivative.op is Op.CONST and derivative.arg == 1.0:
+        return "grad"
+    return f"grad * {body.name(derivative)}"
+
+
 def index_axes(load: Node) -> frozenset[str]:
     """Which of q_idx / kv_idx a load's indices depend on (decides how its gradient scatters)."""
     deps: set[str] = set()
@@ -335,7 +345,7 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
     index_nodes = load.srcs[1:]
     axes = index_axes(load)
     c = f"c{i}"
-    lines = [f"{c} = tl.where(live, grad * {body.name(d_load)}, 0.0)"]
+    lines = [f"{c} = tl.where(live, {_times(body, d_load)}, 0.0)"]
     uses_q, uses_kv = "q_idx" in axes, "kv_idx" in axes
     if not uses_q and not uses_kv:
         lines.append(f"{c} = tl.sum(tl.sum({c}, 1, keep_dims=True), 0, keep_dims=True)")

@@ -1,0 +1,134 @@
+"""Command line: `python -m flexfa export FILE.py:MOD [--mask MASK] --out DIR`.
+
+Examples:
+
+    python -m flexfa export my_mods.py:alibi --mask causal --num-heads 16 --out kernels/
+    python -m flexfa export my_mods.py:relative_bias --mask "sliding_window(512)" --out k/
+    python -m flexfa export none --mask my_masks.py:document_mask --out k/ --ptx 90
+
+MOD and MASK name a function in a Python file (FILE.py:NAME), optionally called with constant
+arguments (FILE.py:softcap(30.0)); a bare NAME refers to flexfa.mods / flexfa.masks; `none` means
+no score_mod. `--ptx ARCH` also compiles every kernel for sm_ARCH (no GPU needed) and writes PTX.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def _call_parts(text: str) -> tuple[str, list[Any], dict[str, Any]]:
+    """'name' or 'name(1, x=2.0)' -> (name, args, kwargs); only literal arguments are allowed."""
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError:
+        raise SystemExit(f"flexfa export: cannot parse {text!r}") from None
+    if isinstance(node, ast.Name):
+        return node.id, [], {}
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        try:
+            args = [ast.literal_eval(a) for a in node.args]
+            kwargs = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords if kw.arg}
+        except ValueError:
+            raise SystemExit(f"flexfa export: arguments in {text!r} must be literals") from None
+        return node.func.id, args, kwargs
+    raise SystemExit(f"flexfa export: expected NAME or NAME(args), got {text!r}")
+
+
+def _load_file(path: str) -> Any:
+    file = Path(path)
+    if not file.exists():
+        raise SystemExit(f"flexfa export: no such file {path}")
+    spec = importlib.util.spec_from_file_location(f"flexfa_user_{file.stem}", file)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, str(file.parent.resolve()))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.pop(0)
+    return module
+
+
+def resolve(reference: str | None, default_namespace: Any) -> Any:
+    """Turn 'FILE.py:NAME(args)' or 'NAME(args)' (in `default_namespace`) into the object."""
+    if reference is None or reference.lower() == "none":
+        return None
+    if ".py:" in reference:
+        path, _, expr = reference.partition(".py:")
+        namespace = _load_file(path + ".py")
+    else:
+        namespace, expr = default_namespace, reference
+    name, args, kwargs = _call_parts(expr)
+    if not hasattr(namespace, name):
+        raise SystemExit(
+            f"flexfa export: {name!r} not found in {getattr(namespace, '__name__', namespace)}"
+        )
+    obj = getattr(namespace, name)
+    return obj(*args, **kwargs) if (args or kwargs or expr.endswith(")")) else obj
+
+
+def export_command(args: argparse.Namespace) -> int:
+    import flexfa
+    from flexfa.export import compile_ptx, export_module
+
+    score_mod = resolve(args.mod, flexfa.mods)
+    mask_mod = resolve(args.mask, flexfa.masks)
+    exported = export_module(
+        score_mod, mask_mod, num_heads=args.num_heads, grad_captures=args.grad_captures
+    )
+    written = exported.write(args.out)
+    if args.ptx:
+        dtype = getattr(torch, args.dtype)
+        ptx = compile_ptx(
+            score_mod,
+            mask_mod,
+            num_heads=args.num_heads or 1,
+            head_dim=args.head_dim,
+            dtype=dtype,
+            arch=args.ptx,
+        )
+        for name, text in ptx.items():
+            path = Path(args.out) / f"{name}.sm_{args.ptx}.ptx"
+            path.write_text(text)
+            written.append(path)
+    for path in written:
+        print(path)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flexfa", description="flexfa tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="write the generated Triton kernels for a score_mod/mask")
+    ex.add_argument("mod", help="score_mod: FILE.py:NAME, NAME in flexfa.mods, or none")
+    ex.add_argument("--mask", default=None, help="mask_mod: FILE.py:NAME or NAME in flexfa.masks")
+    ex.add_argument("--out", required=True, help="output directory")
+    ex.add_argument(
+        "--num-heads", type=int, default=None, help="for mods that depend on it (alibi)"
+    )
+    ex.add_argument(
+        "--grad-captures",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="emit gradient scatters for captured float tensors (default: those requiring grad)",
+    )
+    ex.add_argument(
+        "--ptx", type=int, default=None, metavar="ARCH", help="also write PTX for sm_ARCH, e.g. 90"
+    )
+    ex.add_argument("--head-dim", type=int, default=128, help="head dim for --ptx")
+    ex.add_argument("--dtype", default="bfloat16", help="dtype for --ptx")
+    args = parser.parse_args(argv)
+    if args.command == "export":
+        return export_command(args)
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
