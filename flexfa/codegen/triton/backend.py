@@ -46,23 +46,21 @@ class _ListArgs:
     full: BlockList
 
     def args(self) -> list:
-        c, i = self.partial.count, self.partial.index
-        assert self.full.count.stride() == c.stride() and self.full.index.stride() == i.stride()
-
         def bs(t: torch.Tensor, dim: int) -> int:
             return 0 if t.shape[dim] == 1 else t.stride(dim)
+
+        def strides(t: torch.Tensor) -> list[int]:
+            return [bs(t, 0), bs(t, 1), t.stride(2)]
 
         return [
             self.partial.count,
             self.partial.index,
             self.full.count,
             self.full.index,
-            bs(c, 0),
-            bs(c, 1),
-            c.stride(2),
-            bs(i, 0),
-            bs(i, 1),
-            i.stride(2),
+            *strides(self.partial.count),
+            *strides(self.partial.index),
+            *strides(self.full.count),
+            *strides(self.full.index),
         ]
 
 

@@ -218,6 +218,16 @@ class _Body:
         if op is Op.WHERE:
             return f"tl.where({a[0]}, {a[1]}, {a[2]})"
         if op is Op.POW:
+            exponent = n.srcs[1]
+            if n.dtype.is_float and exponent.op is Op.CONST:
+                return self._const_pow(a[0], float(exponent.arg))
+            base = n.srcs[0]
+            if n.dtype.is_float and base.op is Op.CONST and base.arg > 0:
+                return f"tl.exp2({math.log2(base.arg)!r} * {a[1]})"
+            if n.dtype.is_float and base.op is Op.CONST:
+                return (
+                    f"flexfa_pow({a[1]} * 0.0 + {a[0]}, {a[1]})"  # a tensor base of the right shape
+                )
             if n.dtype.is_float:
                 return f"flexfa_pow({a[0]}, {a[1]})"
             # Integer powers go through float and round back (exact below 2**24).
@@ -235,6 +245,15 @@ class _Body:
                 return f"{a[0]} % {a[1]}"
             return f"flexfa_floormod({a[0]}, {a[1]})"
         raise NotImplementedError(f"no Triton lowering for {op}")  # pragma: no cover
+
+    @staticmethod
+    def _const_pow(x: str, e: float) -> str:
+        """x ** e for a constant e, with torch's signs: odd integer powers keep the sign of x, a
+        negative x to a non-integer power is NaN, 0 ** e is 0 (e > 0) or inf (e < 0)."""
+        r = f"tl.exp2({e!r} * tl.log2(tl.abs({x})))"
+        if e.is_integer():
+            return f"tl.where({x} < 0, -{r}, {r})" if int(e) % 2 else r
+        return f'tl.where({x} < 0, float("nan"), {r})'
 
     def _load(self, n: Node) -> str:
         cap: Capture = n.srcs[0].arg
