@@ -151,12 +151,21 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
 class Launcher:
     """One call's kernels, configs and launch arguments (shared by forward and backward)."""
 
-    def __init__(self, spec: AttentionSpec, capability: tuple[int, int] | None = None) -> None:
-        """`capability` overrides the device's (major, minor), for compiling without a GPU."""
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        capability: tuple[int, int] | None = None,
+        *,
+        force_compiled: bool = False,
+    ) -> None:
+        """`capability` overrides the device's (major, minor) and `force_compiled` loads real JIT
+        functions even under TRITON_INTERPRET: both for compiling without a GPU (offline.py)."""
         self.spec = spec
         self.mask = None if spec.mask.is_trivially_true else spec.mask
         self.grad_slots = spec.score_grad_slots
-        self.key, self.module = load_module(spec.score_mod, self.mask, self.grad_slots)
+        self.key, self.module = load_module(
+            spec.score_mod, self.mask, self.grad_slots, force_compiled=force_compiled
+        )
         if capability is None:
             capability = cfgs.device_capability(spec.device)
         self.capability = capability

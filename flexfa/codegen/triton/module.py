@@ -200,13 +200,23 @@ def _import(path: Path, name: str) -> types.ModuleType:
 
 
 def load_module(
-    score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
+    score: TracedMod | None,
+    mask: TracedMod | None,
+    grad_slots: frozenset[int],
+    *,
+    force_compiled: bool = False,
 ) -> tuple[ModuleKey, types.ModuleType]:
-    """The generated module for these mods: from memory, else from disk, else rendered now."""
+    """The generated module for these mods: from memory, else from disk, else rendered now.
+
+    With `force_compiled`, the module's functions are real Triton JIT functions even when
+    TRITON_INTERPRET is set (for compiling without a GPU, see offline.py).
+    """
     key = module_key(score, mask, grad_slots)
     digest = key.digest
+    interpreted = config.triton_interpret and not force_compiled
+    cache_id = digest if not force_compiled else digest + ":compiled"
     with _lock:
-        module = _modules.get(digest)
+        module = _modules.get(cache_id)
         if module is not None:
             stats.memory_hits += 1
             return key, module
@@ -222,9 +232,25 @@ def load_module(
             )
             stats.renders += 1
             log.debug("flexfa: rendered Triton module %s", path)
-        module = _import(path, f"flexfa_generated_{digest[:24]}")
-        _modules[digest] = module
+        name = f"flexfa_generated_{digest[:24]}" + (
+            "" if interpreted else "_jit" if force_compiled else ""
+        )
+        module = _import_without_interpreter(path, name) if force_compiled else _import(path, name)
+        _modules[cache_id] = module
         return key, module
+
+
+def _import_without_interpreter(path: Path, name: str) -> types.ModuleType:
+    """Import with TRITON_INTERPRET off, so that @triton.jit makes compilable functions."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        return _import(path, name)
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
 
 
 def clear_memory_cache() -> None:

@@ -82,7 +82,7 @@ def meta_device_launches(
     """
     from flexfa.codegen.triton.backend import Launcher
 
-    launcher = Launcher(spec, capability=capability)
+    launcher = Launcher(spec, capability=capability, force_compiled=True)
     B, Hq, Hkv = spec.batch, spec.heads_q, spec.heads_kv
     Lq, Lkv, E, Ev = spec.len_q, spec.len_kv, spec.head_dim, spec.head_dim_v
     dt = spec.dtype

@@ -145,10 +145,10 @@ def test_deterministic_captured_gradients_are_bitwise_repeatable():
 
 def test_triton_refuses_with_reasons():
     q = torch.randn(1, 1, 16, 16, dtype=torch.float64)
-    with pytest.raises(ValueError, match="triton.*float64"):
+    with pytest.raises(ValueError, match=r"triton.*float64"):
         flexfa.attention(q, q, q, backend="triton")
     qb = q.to(torch.bfloat16)
-    with pytest.raises(ValueError, match="interpreter.*bfloat16"):
+    with pytest.raises(ValueError, match=r"interpreter.*bfloat16"):
         flexfa.attention(qb, qb, qb, backend="triton")
     q32 = q.float()
     bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 16, 16, BLOCK_SIZE=8)
