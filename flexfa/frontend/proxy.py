@@ -554,8 +554,13 @@ def _dispatch(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Any:
         return W(x)
     if name in ("to", "type"):
         target = None
-        for a in (*args[1:], kwargs.get("dtype")):
-            target = _as_dtype(tracer, a) or target
+        for a in (*args[1:], kwargs.get("dtype"), kwargs.get("other")):
+            if isinstance(a, Proxy):
+                target = a.node.dtype  # x.to(other): other's dtype
+            elif isinstance(a, torch.Tensor):
+                target = _as_dtype(tracer, a.dtype)
+            else:
+                target = _as_dtype(tracer, a) or target
         if target is None:
             return args[0]  # .to(device) and friends: values are already where the kernel runs
         return W(irb.cast(L(args[0]), target))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from flexfa.ir.dtypes import DType, arithmetic_type, promote, python_scalar_type
+from flexfa.ir.dtypes import DType, arithmetic_type, fits, promote, python_scalar_type
 from flexfa.ir.nodes import (
     ARITH_BINARY_OPS,
     COMPARE_OPS,
@@ -39,6 +39,8 @@ def const(value: Scalar, dtype: DType | None = None) -> Node:
                 raise IRTypeError(f"cannot make an integer constant from {value}")
             value = int(value)
         value = int(value)
+        if not fits(value, dtype):
+            raise IRTypeError(f"the integer {value} does not fit in {dtype.value}")
     else:
         value = float(value)
     return Node(Op.CONST, dtype, (), value)
@@ -130,6 +132,11 @@ def binary(op: Op, a: Node, b: Node) -> Node:
     t = promote(a.dtype, b.dtype)
     if op is Op.TRUEDIV and not t.is_float:
         t = DType.FLOAT32
+    if op is Op.POW and not t.is_float and b.op is Op.CONST and b.arg < 0:
+        raise IRTypeError(
+            f"an integer raised to the negative power {b.arg} is not an integer (torch raises); "
+            "use a float base, e.g. 2.0 ** -x"
+        )
     return Node(op, t, (cast(a, t), cast(b, t)))
 
 

@@ -117,3 +117,12 @@ def python_scalar_type(value: bool | int | float) -> DType:
     if isinstance(value, int):
         return DType.INT32 if -(2**31) <= value < 2**31 else DType.INT64
     return DType.FLOAT32
+
+
+_INT_RANGE = {DType.INT32: (-(2**31), 2**31 - 1), DType.INT64: (-(2**63), 2**63 - 1)}
+
+
+def fits(value: int, dtype: DType) -> bool:
+    """Whether the integer `value` is representable in the integer type `dtype`."""
+    lo, hi = _INT_RANGE[dtype]
+    return lo <= value <= hi

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from flexfa.ir import build as irb
-from flexfa.ir.dtypes import DType
+from flexfa.ir.dtypes import DType, fits
 from flexfa.ir.evaluate import fold_constant
 from flexfa.ir.nodes import COMMUTATIVE_OPS, Node, Op, toposort
 
@@ -138,7 +138,8 @@ def reflexive_compare(n: Node) -> Node | None:
     return None
 
 
-# (x + c1) + c2 -> x + (c1 + c2) and (x - c1) + c2 -> x + (c2 - c1), integers only (exact there).
+# (x + c1) + c2 -> x + (c1 + c2) and (x - c1) + c2 -> x + (c2 - c1), integers only (exact there),
+# and only when c1 + c2 fits the type: otherwise the folded constant would not be representable.
 def reassociate_int_constants(n: Node) -> Node | None:
     if not n.dtype.is_int or n.op not in (Op.ADD, Op.SUB) or n.srcs[1].op is not Op.CONST:
         return None
@@ -149,6 +150,8 @@ def reassociate_int_constants(n: Node) -> Node | None:
     s1 = c1.arg if inner.op is Op.ADD else -c1.arg
     s2 = c2.arg if n.op is Op.ADD else -c2.arg
     total = s1 + s2
+    if not fits(-total if total < 0 else total, n.dtype):
+        return irb.add(x, irb.const(total, n.dtype)) if fits(total, n.dtype) else None
     return (
         irb.add(x, irb.const(total, n.dtype))
         if total >= 0

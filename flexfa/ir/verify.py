@@ -6,7 +6,7 @@ after every pass when `flexfa.config.verify_ir` is on (always under pytest, or F
 
 from __future__ import annotations
 
-from flexfa.ir.dtypes import DType, arithmetic_type
+from flexfa.ir.dtypes import DType, arithmetic_type, fits
 from flexfa.ir.nodes import (
     ARITH_BINARY_OPS,
     COMPARE_OPS,
@@ -34,7 +34,12 @@ def _check_const(node: Node) -> None:
     v = node.arg
     ok = (
         (node.dtype.is_bool and isinstance(v, bool))
-        or (node.dtype.is_int and isinstance(v, int) and not isinstance(v, bool))
+        or (
+            node.dtype.is_int
+            and isinstance(v, int)
+            and not isinstance(v, bool)
+            and fits(v, node.dtype)
+        )
         or (node.dtype.is_float and isinstance(v, float))
     )
     if not ok or node.srcs:
