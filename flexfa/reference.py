@@ -1,8 +1,14 @@
 """The semantics of `flexfa.attention`, as dense code. Small sizes only (it builds Lq x Lkv).
 
-This is the oracle every backend is tested against. It calls the user's mods directly on broadcast
-index tensors (not through flexfa's tracer), so it also checks the tracer. docs/semantics.md says
-the same in words.
+This is the oracle every backend is tested against. It calls the user's mods directly (not through
+flexfa's tracer), so it also checks the tracer. docs/semantics.md says the same in words.
+
+# Note [Mods are applied per pair]
+# A mod is a scalar function of one (score, b, h, q_idx, kv_idx). The reference applies it at every
+# pair with `torch.func.vmap` over the four index dims, as torch FlexAttention's math path does, so
+# the mod sees 0-dim values exactly as the tracer's proxies model them. Calling it once on broadcast
+# index tensors instead would be faster but is not the same function: chained indexing
+# `table[b][h]` indexes the wrong dims, and a 0-dim capture no longer takes part in type promotion.
 
 >>> import torch
 >>> from flexfa.reference import reference_attention
@@ -20,13 +26,42 @@ from collections.abc import Callable
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask, TileState
+from flexfa.mods import bind_heads
+
+# vmap levels from the innermost (kv_idx) to the outermost (b): in_dims of (b, h, q_idx, kv_idx).
+_LEVELS = (
+    (None, None, None, 0),
+    (None, None, 0, None),
+    (None, 0, None, None),
+    (0, None, None, None),
+)
 
 
-def _broadcast_bool(value: object, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    t = torch.as_tensor(value, device=device)
-    if t.dtype != torch.bool:
-        raise TypeError(f"mask_mod must return bools, got {t.dtype}")
-    return t.expand(shape)
+def apply_per_pair(
+    fn: Callable[..., object],
+    B: int,
+    H: int,
+    Lq: int,
+    Lkv: int,
+    device: torch.device,
+    score: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fn` evaluated at every (b, h, q_idx, kv_idx) (Note [Mods are applied per pair]).
+
+    With `score` ([B, H, Lq, Lkv]) `fn` is a score_mod, else a mask_mod. Index values are int32.
+    Returns a [B, H, Lq, Lkv] tensor of whatever dtype `fn` returns; differentiable.
+    """
+    indices = [torch.arange(n, device=device, dtype=torch.int32) for n in (B, H, Lq, Lkv)]
+
+    def scalar(*args: object) -> torch.Tensor:
+        return torch.as_tensor(fn(*args), device=device)
+
+    f = scalar
+    prefix = () if score is None else (0,)
+    for dims in _LEVELS:
+        f = torch.func.vmap(f, in_dims=prefix + dims, out_dims=0)
+    args = indices if score is None else [score, *indices]
+    return f(*args).expand(B, H, Lq, Lkv)
 
 
 def allowed_pairs(
@@ -43,18 +78,15 @@ def allowed_pairs(
     With a BlockMask, its tiles are authoritative: empty tiles exclude all pairs, full tiles allow
     all pairs, partial tiles use the mask_mod (the BlockMask's own when `mask_mod` is None).
     """
-    b = torch.arange(B, device=device, dtype=torch.int32).view(-1, 1, 1, 1)
-    h = torch.arange(H, device=device, dtype=torch.int32).view(1, -1, 1, 1)
-    qi = torch.arange(Lq, device=device, dtype=torch.int32).view(1, 1, -1, 1)
-    kv = torch.arange(Lkv, device=device, dtype=torch.int32).view(1, 1, 1, -1)
     shape = torch.Size([B, H, Lq, Lkv])
     if mask_mod is None and block_mask is not None:
         mask_mod = block_mask.mask_mod
-    allowed = (
-        _broadcast_bool(mask_mod(b, h, qi, kv), shape, device)
-        if mask_mod is not None
-        else torch.ones(shape, dtype=torch.bool, device=device)
-    )
+    if mask_mod is None:
+        allowed = torch.ones(shape, dtype=torch.bool, device=device)
+    else:
+        allowed = apply_per_pair(mask_mod, B, H, Lq, Lkv, device)
+        if allowed.dtype != torch.bool:
+            raise TypeError(f"mask_mod must return bools, got {allowed.dtype}")
     if block_mask is None:
         return allowed
     states = block_mask.tile_states().to(device)
@@ -83,7 +115,8 @@ def reference_attention(
 
     1. s = (q @ k^T) * scale, with scale = 1/sqrt(E) by default; query head h uses KV head
        h // (Hq // Hkv).
-    2. s = score_mod(s, b, h, q_idx, kv_idx), with int32 index tensors broadcast over [B, H, Lq, Lkv].
+    2. s = score_mod(s, b, h, q_idx, kv_idx) at every pair, with int32 indices (Note [Mods are
+       applied per pair]); a `flexfa.mods.HeadsDependentMod` such as `alibi` is bound to Hq.
     3. Pairs the mask excludes get s = -inf.
     4. lse = logsumexp over keys (natural log); out = softmax(s) @ v. A row whose scores are all
        -inf has lse = -inf and out = 0.
@@ -100,16 +133,9 @@ def reference_attention(
     qd, kd, vd = q.to(dtype), k.to(dtype), v.to(dtype)
     s = torch.matmul(qd, kd.transpose(-1, -2)) * scale
     device = q.device
+    score_mod = bind_heads(score_mod, Hq)
     if score_mod is not None:
-        b = torch.arange(B, device=device, dtype=torch.int32).view(-1, 1, 1, 1)
-        h = torch.arange(Hq, device=device, dtype=torch.int32).view(1, -1, 1, 1)
-        qi = torch.arange(Lq, device=device, dtype=torch.int32).view(1, 1, -1, 1)
-        kv = torch.arange(Lkv, device=device, dtype=torch.int32).view(1, 1, 1, -1)
-        s = (
-            torch.as_tensor(score_mod(s, b, h, qi, kv), device=device)
-            .to(dtype)
-            .expand(B, Hq, Lq, Lkv)
-        )
+        s = apply_per_pair(score_mod, B, Hq, Lq, Lkv, device, score=s).to(dtype)
     if mask_mod is not None or block_mask is not None:
         allowed = allowed_pairs(mask_mod, block_mask, B, Hq, Lq, Lkv, device)
         s = s.masked_fill(~allowed, -math.inf)
