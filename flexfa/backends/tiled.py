@@ -30,12 +30,39 @@ DEFAULT_STEP_COLUMNS = 512
 
 @dataclasses.dataclass(frozen=True)
 class _Step:
-    """One step over a q-block: a group of KV blocks, their columns and their tile states."""
+    """One step over a q-block: a group of live KV blocks, their columns and their tile states.
+
+    See Note [Tiled steps].
+    """
 
     cols: torch.Tensor  # int64 [n] key positions
+    span: tuple[int, int] | None  # (first, end) when `cols` is a contiguous range
     states: torch.Tensor  # int8 [B', H', 1, n] TileState per column
     any_partial: bool
-    kv_idx: torch.Tensor  # int32 [1, 1, 1, n]
+    all_full: bool  # every (b, h) sees only full tiles: nothing to mask
+
+    def columns(self, t: torch.Tensor) -> torch.Tensor:
+        """t[:, :, cols]: a view when the columns are contiguous, else a gather."""
+        if self.span is not None:
+            return t[:, :, self.span[0] : self.span[1]]
+        return t.index_select(2, self.cols)
+
+    def add_columns(self, dst: torch.Tensor, value: torch.Tensor) -> None:
+        """dst[:, :, cols] += value."""
+        if self.span is not None:
+            dst[:, :, self.span[0] : self.span[1]] += value
+        else:
+            dst.index_add_(2, self.cols, value)
+
+
+# Note [Tiled steps]
+# For each q-block the backend visits the KV blocks that are live (not empty) for any (b, h),
+# `blocks_per_step` of them per step, so that each step works on a [B, H, block_q, ~step_columns]
+# score tile: large enough for the matmuls and elementwise passes to amortize Python overhead,
+# small enough that memory stays O(tile). Two cheap observations save most of the work on common
+# masks: a step whose blocks are adjacent reads K and V as a slice (no gather copy), and a step
+# whose tiles are all full (most of a causal mask) needs no mask at all, so neither the mask_mod nor
+# a masked_fill runs.
 
 
 class _Plan:
@@ -56,29 +83,38 @@ class _Plan:
 
     def steps(self, i: int) -> list[_Step]:
         row_states = self.states[:, :, i, :]  # [B', H', nkv]
-        live = torch.nonzero((row_states != int(TileState.EMPTY)).flatten(0, 1).any(0)).flatten()
+        live_mask = (row_states != int(TileState.EMPTY)).flatten(0, 1).any(0)
+        live = torch.nonzero(live_mask).flatten().tolist()
         steps = []
-        for s0 in range(0, live.numel(), self.blocks_per_step):
-            blocks = live[s0 : s0 + self.blocks_per_step].tolist()
-            cols = torch.cat(
-                [
-                    torch.arange(
-                        j * self.bkv, min((j + 1) * self.bkv, self.spec.len_kv), device=self.device
-                    )
-                    for j in blocks
-                ]
-            )
-            block_of_col = cols // self.bkv
-            st = row_states[:, :, block_of_col].unsqueeze(2)  # [B', H', 1, n]
+        for s0 in range(0, len(live), self.blocks_per_step):
+            blocks = live[s0 : s0 + self.blocks_per_step]
+            end = min((blocks[-1] + 1) * self.bkv, self.spec.len_kv)
+            if blocks[-1] - blocks[0] == len(blocks) - 1:
+                span: tuple[int, int] | None = (blocks[0] * self.bkv, end)
+                cols = torch.arange(blocks[0] * self.bkv, end, device=self.device)
+            else:
+                span = None
+                cols = torch.cat(
+                    [
+                        torch.arange(j * self.bkv, min((j + 1) * self.bkv, end), device=self.device)
+                        for j in blocks
+                    ]
+                )
+            st = row_states[:, :, cols // self.bkv].unsqueeze(2)  # [B', H', 1, n]
             steps.append(
                 _Step(
                     cols=cols,
+                    span=span,
                     states=st,
                     any_partial=bool((st == int(TileState.PARTIAL)).any()),
-                    kv_idx=cols.to(torch.int32).view(1, 1, 1, -1),
+                    all_full=bool((st == int(TileState.FULL)).all()),
                 )
             )
         return steps
+
+    def needs_env(self, step: _Step) -> bool:
+        """Whether a step evaluates a mod (the score_mod, or the mask_mod on partial tiles)."""
+        return self.spec.score_mod is not None or not step.all_full
 
     def env(self, r0: int, r1: int, step: _Step) -> dict[str, torch.Tensor]:
         spec = self.spec
@@ -117,23 +153,31 @@ def _ungrouped(x: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
 
 def _scores(
     plan: _Plan,
-    q_i: torch.Tensor,
+    qg: torch.Tensor,
     k_c: torch.Tensor,
-    env: dict[str, torch.Tensor],
+    env: dict[str, torch.Tensor] | None,
     score_tensors: tuple[torch.Tensor, ...],
 ) -> tuple[torch.Tensor, Evaluator | None]:
-    """Scores after score_mod, [B, Hq, rows, n], and the evaluator (for derivatives)."""
+    """Scores after score_mod, [B, Hq, rows, n], and the evaluator (for derivatives).
+
+    `qg` is the q-block grouped (`_grouped`) and already multiplied by the scale.
+    """
     spec = plan.spec
-    s = _ungrouped(torch.matmul(_grouped(q_i, spec), k_c.transpose(-1, -2)), spec) * spec.scale
+    s = _ungrouped(torch.matmul(qg, k_c.transpose(-1, -2)), spec)
     if spec.score_mod is None:
         return s, None
+    assert env is not None
     ev = Evaluator({**env, "score": s}, score_tensors, float_dtype=plan.compute_dtype)
     s_mod = ev(spec.score_mod.output).to(plan.compute_dtype)
     return s_mod.expand_as(s), ev
 
 
-def _check_loads(spec: AttentionSpec, ev: Evaluator | None, allowed: torch.Tensor) -> None:
-    if ev is not None and ev.out_of_bounds is not None and bool((ev.out_of_bounds & allowed).any()):
+def _check_loads(spec: AttentionSpec, ev: Evaluator | None, allowed: torch.Tensor | None) -> None:
+    """Raise if the score_mod read out of bounds at an attended pair (`allowed` None: all are)."""
+    if ev is None or ev.out_of_bounds is None:
+        return
+    bad = ev.out_of_bounds if allowed is None else ev.out_of_bounds & allowed
+    if bool(bad.any()):
         assert spec.score_mod is not None
         raise IndexError(
             f"score_mod {spec.score_mod.name!r} indexes a captured tensor out of bounds for an "
@@ -148,26 +192,32 @@ def _forward(
     v: torch.Tensor,
     score_tensors: tuple[torch.Tensor, ...],
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); `out` is in the compute dtype, not yet rounded to q's (Note [Delta from the
+    unrounded output])."""
     spec = plan.spec
     cd = plan.compute_dtype
     B, Hq, Lq = spec.batch, spec.heads_q, spec.len_q
-    out = torch.empty(B, Hq, Lq, spec.head_dim_v, dtype=q.dtype, device=q.device)
+    out = torch.empty(B, Hq, Lq, spec.head_dim_v, dtype=cd, device=q.device)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(B, Hq, Lq, dtype=lse_dtype, device=q.device)
     for i in range(spec.block_mask.num_q_blocks):
         r0, r1 = plan.rows(i)
-        q_i = q[:, :, r0:r1].to(cd)
+        qg = _grouped(q[:, :, r0:r1].to(cd) * spec.scale, spec)
         m_i = torch.full((B, Hq, r1 - r0, 1), -math.inf, dtype=cd, device=q.device)
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(B, Hq, r1 - r0, spec.head_dim_v, dtype=cd, device=q.device)
         for step in plan.steps(i):
-            k_c = k.index_select(2, step.cols).to(cd)
-            v_c = v.index_select(2, step.cols).to(cd)
-            env = plan.env(r0, r1, step)
-            s, ev = _scores(plan, q_i, k_c, env, score_tensors)
-            allowed = plan.allowed(env, step)
-            _check_loads(spec, ev, allowed)
-            s = s.masked_fill(~allowed, -math.inf)
+            k_c = step.columns(k).to(cd)
+            v_c = step.columns(v).to(cd)
+            env = plan.env(r0, r1, step) if plan.needs_env(step) else None
+            s, ev = _scores(plan, qg, k_c, env, score_tensors)
+            if step.all_full:
+                _check_loads(spec, ev, None)
+            else:
+                assert env is not None
+                allowed = plan.allowed(env, step)
+                _check_loads(spec, ev, allowed)
+                s = s.masked_fill(~allowed, -math.inf)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
             p = torch.exp(s - m_safe)
@@ -176,33 +226,60 @@ def _forward(
             acc = acc * alpha + _ungrouped(torch.matmul(_grouped(p, spec), v_c), spec)
             m_i = m_new
         empty = l_i == 0
-        out[:, :, r0:r1] = torch.where(empty, 0.0, acc / torch.where(empty, 1.0, l_i)).to(q.dtype)
+        out[:, :, r0:r1] = torch.where(empty, 0.0, acc / torch.where(empty, 1.0, l_i))
         row_lse = torch.where(empty, -math.inf, m_i + torch.log(torch.where(empty, 1.0, l_i)))
         lse[:, :, r0:r1] = row_lse.squeeze(-1).to(lse_dtype)
     return out, lse
+
+
+# Note [Accumulating captured-tensor gradients]
+# The gradient of one entry of a captured tensor is a sum over every pair that loads it: a 0-dim
+# temperature or a per-head scale receives B * Lq * Lkv terms, one relative-bias entry about B * L.
+# Added one by one into a float32 buffer (what index_put_ with accumulate does) the rounding error
+# grows with that count; the tests measured 5x the error of eager torch for a per-head entry read by
+# 3000 pairs. So contributions are first summed over the dims their indices do not vary along (a
+# load of `scale[h]` sums over b, q_idx and kv_idx with torch's pairwise sum, which also makes the
+# scatter much smaller), and the buffers accumulate in float64 (float32 only where a device lacks
+# float64), twice the size of the captured tensors that need grad, only for the backward.
+
+
+def _accumulation_dtype(device: torch.device) -> torch.dtype:
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def _scatter_capture_grads(
     grad: ScoreModGradient,
     ev: Evaluator,
     ds: torch.Tensor,
-    allowed: torch.Tensor,
+    allowed: torch.Tensor | None,
     buffers: dict[int, torch.Tensor],
 ) -> None:
-    """buffers[slot][indices] += ds * d_load for every load of a captured tensor that needs grad."""
+    """buffers[slot][indices] += ds * d_load for every load of a captured tensor that needs grad.
+
+    `allowed` None means every pair is attended. See Note [Accumulating captured-tensor gradients].
+    """
     for lg in grad.loads:
-        contribution = torch.where(allowed, ds * ev(lg.d_load), 0.0)
+        contribution = ds * ev(lg.d_load)
+        if allowed is not None:
+            contribution = torch.where(allowed, contribution, 0.0)
         buf = buffers[lg.slot]
-        shape = contribution.shape
-        index = []
-        for dim, node in enumerate(lg.indices):
-            idx = ev(node).long()
-            idx = idx.clamp(0, buf.shape[dim] - 1)  # out-of-range only where contribution is 0
-            index.append(idx.expand(shape))
-        if not index:
+        if not lg.indices:
             buf += contribution.sum()
             continue
-        buf.index_put_(tuple(index), contribution.to(buf.dtype), accumulate=True)
+        # out-of-range indices occur only where the contribution is 0 (Note [Loads out of bounds])
+        indices = [
+            ev(node).long().clamp(0, buf.shape[dim] - 1) for dim, node in enumerate(lg.indices)
+        ]
+        index_shape = torch.broadcast_shapes(*(i.shape for i in indices))
+        index_shape = (1,) * (contribution.ndim - len(index_shape)) + tuple(index_shape)
+        constant_dims = [
+            d for d, n in enumerate(index_shape) if n == 1 and contribution.shape[d] > 1
+        ]
+        if constant_dims:
+            contribution = contribution.sum(dim=constant_dims, keepdim=True)
+        shape = contribution.shape
+        index = tuple(i.expand(shape) for i in indices)
+        buf.index_put_(index, contribution.to(buf.dtype), accumulate=True)
 
 
 def _backward(
@@ -223,42 +300,61 @@ def _backward(
     dk = torch.zeros(k.shape, dtype=cd, device=q.device)
     dv = torch.zeros(v.shape, dtype=cd, device=q.device)
     buffers = {
-        slot: torch.zeros(score_tensors[slot].shape, dtype=cd, device=score_tensors[slot].device)
+        slot: torch.zeros(
+            score_tensors[slot].shape,
+            dtype=_accumulation_dtype(score_tensors[slot].device),
+            device=score_tensors[slot].device,
+        )
         for slot in grad_slots
     }
     grad = spec.score_mod.gradient(grad_slots) if spec.score_mod is not None else None
     # delta_i = sum_j p_ij dp_ij = rowsum(dO * O); a gradient of the LSE adds -dlse (d lse/d s = p).
-    delta = (dout.to(cd) * out.to(cd)).sum(-1)
+    # `out` is the unrounded output (Note [Delta from the unrounded output]).
+    delta = (dout.to(cd) * out).sum(-1)
     if dlse is not None:
         delta = delta - dlse.to(cd)
     for i in range(spec.block_mask.num_q_blocks):
         r0, r1 = plan.rows(i)
-        q_i = q[:, :, r0:r1].to(cd)
-        do_i = dout[:, :, r0:r1].to(cd)
+        qg = _grouped(q[:, :, r0:r1].to(cd) * spec.scale, spec)
+        dog = _grouped(dout[:, :, r0:r1].to(cd), spec)
         lse_i = lse[:, :, r0:r1, None].to(cd)
         lse_safe = torch.where(torch.isneginf(lse_i), math.inf, lse_i)  # empty rows: p = 0
         delta_i = delta[:, :, r0:r1, None]
-        dq_i = torch.zeros_like(q_i)
+        dqg = torch.zeros_like(qg)
         for step in plan.steps(i):
-            k_c = k.index_select(2, step.cols).to(cd)
-            v_c = v.index_select(2, step.cols).to(cd)
-            env = plan.env(r0, r1, step)
-            s, ev = _scores(plan, q_i, k_c, env, score_tensors)
-            allowed = plan.allowed(env, step)
-            p = torch.where(allowed, torch.exp(s - lse_safe), 0.0)
-            dp = _ungrouped(torch.matmul(_grouped(do_i, spec), v_c.transpose(-1, -2)), spec)
-            ds = p * (dp - delta_i)  # gradient w.r.t. the modified score
+            k_c = step.columns(k).to(cd)
+            v_c = step.columns(v).to(cd)
+            env = plan.env(r0, r1, step) if plan.needs_env(step) else None
+            s, ev = _scores(plan, qg, k_c, env, score_tensors)
+            allowed = None
+            p = torch.exp(s - lse_safe)
+            if not step.all_full:
+                assert env is not None
+                allowed = plan.allowed(env, step)
+                p = p.masked_fill_(~allowed, 0.0)
+            dp = _ungrouped(torch.matmul(dog, v_c.transpose(-1, -2)), spec)
+            ds = dp.sub_(delta_i).mul_(p)  # gradient w.r.t. the modified score
             if grad is not None and ev is not None:
                 if grad.loads:
                     _scatter_capture_grads(grad, ev, ds, allowed, buffers)
-                ds = torch.where(allowed, ds * ev(grad.d_score), 0.0)
-            dq_i += _ungrouped(torch.matmul(_grouped(ds, spec), k_c), spec)
-            dk_c = torch.matmul(_grouped(ds, spec).transpose(-1, -2), _grouped(q_i, spec))
-            dv_c = torch.matmul(_grouped(p, spec).transpose(-1, -2), _grouped(do_i, spec))
-            dk.index_add_(2, step.cols, dk_c)
-            dv.index_add_(2, step.cols, dv_c)
-        dq[:, :, r0:r1] = dq_i
-    return dq * spec.scale, dk * spec.scale, dv, buffers
+                ds = ds * ev(grad.d_score)
+                if allowed is not None:  # d_score may be inf or NaN at excluded pairs
+                    ds = torch.where(allowed, ds, 0.0)
+            dsg = _grouped(ds, spec)
+            dqg += torch.matmul(dsg, k_c)
+            step.add_columns(dk, torch.matmul(dsg.transpose(-1, -2), qg))  # qg holds the scale
+            step.add_columns(dv, torch.matmul(_grouped(p, spec).transpose(-1, -2), dog))
+        dq[:, :, r0:r1] = _ungrouped(dqg, spec)
+    return dq * spec.scale, dk, dv, buffers
+
+
+# Note [Delta from the unrounded output]
+# The backward needs delta_i = sum_j p_ij dp_ij, computed as rowsum(dO * O). With float16/bfloat16
+# inputs, O rounded to the input dtype differs from sum_j p_ij v_j by up to half an ulp, while the
+# dp_ij it is subtracted from are exact float32 products: each row's ds then carries an error of
+# about |dO| * ulp(O), invisible in dq/dk/dv but summed over every row and head in the gradient of a
+# captured scalar (a temperature): the tests measured 10x the error of eager torch in bfloat16. So
+# the backward uses the float32 output from before the rounding (O(Lq * Ev) memory, like O itself).
 
 
 class _TiledFunction(torch.autograd.Function):
@@ -267,7 +363,7 @@ class _TiledFunction(torch.autograd.Function):
         out, lse = _forward(plan, q, k, v, score_tensors)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
-        return out, lse
+        return out.to(q.dtype), lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -279,7 +375,7 @@ class _TiledFunction(torch.autograd.Function):
             if ctx.needs_input_grad[4 + i] and t.dtype.is_floating_point
         )
         if dout is None:
-            dout = torch.zeros_like(out)
+            dout = torch.zeros(out.shape, dtype=q.dtype, device=q.device)
         dq, dk, dv, buffers = _backward(
             plan, q, k, v, out, lse, dout, dlse, tuple(score_tensors), grad_slots
         )
@@ -304,7 +400,8 @@ class TiledBackend(Backend):
         if spec.needs_grad:
             return _TiledFunction.apply(plan, q, k, v, *score_tensors)
         with torch.no_grad():
-            return _forward(plan, q, k, v, score_tensors)
+            out, lse = _forward(plan, q, k, v, score_tensors)
+            return out.to(q.dtype), lse
 
 
 register(TiledBackend())
