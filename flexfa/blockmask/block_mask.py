@@ -23,10 +23,16 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from flexfa.frontend.trace import TracedMod
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask as TorchBlockMask
 
 
 class TileState(enum.IntEnum):
@@ -96,9 +102,21 @@ class BlockList:
 
     @staticmethod
     def from_dense(selected: torch.Tensor) -> BlockList:
-        """The lists of a bool tensor [B, H, rows, cols] (True = listed), ascending."""
+        """The lists of a bool tensor [B, H, rows, cols] (True = listed), ascending.
+
+        Entries past a row's count are 0 or the unlisted columns (unspecified, but in range).
+        """
+        selected = selected.contiguous()
         count = selected.sum(-1, dtype=torch.int32)
-        # A stable descending sort of the 0/1 flags puts the listed columns first, in index order.
+        if int(count.sum()) * 16 < selected.numel():
+            # Sparse: write each listed column at its rank within its row (O(listed)).
+            index = torch.zeros(selected.shape, dtype=torch.int32, device=selected.device)
+            nz = selected.nonzero()
+            rows = nz[:, :3].unbind(1)
+            rank = torch.cumsum(selected, -1, dtype=torch.int32) - 1
+            index[(*rows, rank[(*rows, nz[:, 3])].long())] = nz[:, 3].to(torch.int32)
+            return BlockList(count.contiguous(), index)
+        # Dense: a stable descending sort of the 0/1 flags puts the listed columns first, in order.
         index = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices
         return BlockList(count.contiguous(), index.to(torch.int32).contiguous())
 
@@ -109,6 +127,11 @@ class BlockMask:
 
     Build one with `flexfa.create_block_mask`, `BlockMask.from_kv_blocks` or
     `BlockMask.from_torch`; pass it to `flexfa.attention(..., block_mask=bm)`.
+
+    `tiles_from_mask` is True when every tile state was computed from `mask` (so a full tile is
+    one where `mask` allows every in-range pair, and the states can be recomputed for other
+    lengths), False when the block lists were given by the user (`from_kv_blocks`, `from_torch`)
+    and are authoritative on their own.
 
     >>> import flexfa
     >>> bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 256, 256, BLOCK_SIZE=128)
@@ -124,6 +147,7 @@ class BlockMask:
     q_partial: BlockList
     q_full: BlockList
     mask: TracedMod
+    tiles_from_mask: bool = True
 
     def __post_init__(self) -> None:
         if self.q_len < 1 or self.kv_len < 1:
@@ -195,6 +219,7 @@ class BlockMask:
         kv_len: int,
         block_size: BlockSize,
         mask: TracedMod,
+        tiles_from_mask: bool = True,
     ) -> BlockMask:
         """Builds all four block lists from a dense tile-state grid [B, H, q-blocks, kv-blocks]."""
         if states.ndim != 4:
@@ -212,6 +237,7 @@ class BlockMask:
             q_partial=BlockList.from_dense(partial.transpose(-1, -2)),
             q_full=BlockList.from_dense(full.transpose(-1, -2)),
             mask=mask,
+            tiles_from_mask=tiles_from_mask,
         )
 
     def to(self, device: torch.device | str) -> BlockMask:
@@ -238,3 +264,162 @@ class BlockMask:
             f"BlockMask(shape={self.shape}, block_size=({self.block_size.q}, {self.block_size.kv}), "
             f"sparsity={self.sparsity():.2f}%, mask_mod={self.mask.name})"
         )
+
+    # -- other formats --------------------------------------------------------------------------
+    @staticmethod
+    def from_kv_blocks(
+        kv_num_blocks: torch.Tensor,
+        kv_indices: torch.Tensor,
+        full_kv_num_blocks: torch.Tensor | None = None,
+        full_kv_indices: torch.Tensor | None = None,
+        BLOCK_SIZE: int | tuple[int, int] = 128,
+        mask_mod: Callable[..., object] | TracedMod | None = None,
+        seq_lengths: tuple[int, int] | None = None,
+    ) -> BlockMask:
+        """A BlockMask from kv-side block lists you built yourself (the q-side is computed).
+
+        Args:
+            kv_num_blocks, kv_indices: partial KV blocks per q-block, shapes [B, H, rows] and
+                [B, H, rows, cols] (leading dims may be omitted); the first `kv_num_blocks` entries
+                of each row of `kv_indices` are the blocks.
+            full_kv_num_blocks, full_kv_indices: the same for full blocks (run without mask_mod);
+                a block listed in both is full.
+            BLOCK_SIZE: int or (q, kv).
+            mask_mod: evaluated on partial blocks (default: every pair attends).
+            seq_lengths: (Q_LEN, KV_LEN); default rows * q-block and cols * kv-block.
+
+        The lists are authoritative: a listed full block attends at all its in-range pairs.
+
+        >>> import torch, flexfa
+        >>> bm = flexfa.BlockMask.from_kv_blocks(torch.tensor([1, 2]), torch.tensor([[0, 0], [0, 1]]),
+        ...                                      BLOCK_SIZE=64, mask_mod=flexfa.masks.causal)
+        >>> bm.q_partial.count.tolist(), bm.shape
+        ([[[2, 1]]], (1, 1, 128, 128))
+        """
+        from flexfa.blockmask.interop import from_kv_blocks
+
+        return from_kv_blocks(
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks,
+            full_kv_indices,
+            BLOCK_SIZE=BLOCK_SIZE,
+            mask_mod=mask_mod,
+            seq_lengths=seq_lengths,
+        )
+
+    @staticmethod
+    def from_torch(block_mask: object, mask_mod: Callable[..., object] | None = None) -> BlockMask:
+        """A flexfa BlockMask with the tiles of a `torch.nn.attention.flex_attention.BlockMask`.
+
+        Its mask_mod is traced by flexfa; pass `mask_mod=` when torch's cannot be traced (e.g. the
+        placeholder of a sliced torch BlockMask).
+
+        >>> import torch, flexfa
+        >>> from torch.nn.attention.flex_attention import create_block_mask
+        >>> tbm = create_block_mask(flexfa.masks.causal, None, None, 256, 256, device="cpu")
+        >>> flexfa.BlockMask.from_torch(tbm).kv_full.count.tolist()
+        [[[0, 1]]]
+        """
+        from flexfa.blockmask.interop import from_torch
+
+        return from_torch(block_mask, mask_mod)
+
+    def to_torch(self) -> TorchBlockMask:
+        """The same tiles as a `torch.nn.attention.flex_attention.BlockMask` (lists are shared).
+
+        >>> import flexfa
+        >>> bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 256, 256)
+        >>> bm.to_torch().full_kv_num_blocks.tolist()
+        [[[0, 1]]]
+        """
+        from flexfa.blockmask.interop import to_torch
+
+        return to_torch(self)
+
+    # -- views ----------------------------------------------------------------------------------
+    def __getitem__(self, index: int | slice | tuple[int | slice, ...]) -> BlockMask:
+        """The BlockMask of some batch elements and heads: `bm[b]`, `bm[b, h]`, `bm[:, 2:4]`.
+
+        Integer indices keep their dim (size 1). The mask is re-indexed too, so partial tiles
+        still evaluate `mask_mod` at the original batch element and head.
+
+        >>> import torch, flexfa
+        >>> doc = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
+        >>> bm = flexfa.create_block_mask(flexfa.masks.document(doc), 2, None, 4, 4, BLOCK_SIZE=2)
+        >>> bm[1].shape, bm[1].tile_states().tolist()
+        ((1, 1, 4, 4), [[[[1, 1], [1, 2]]]])
+        """
+        from flexfa.blockmask.transform import select
+
+        return select(self, index)
+
+    def resize(
+        self, q_len: int | None = None, kv_len: int | None = None, *, q_offset: int = 0
+    ) -> BlockMask:
+        """The BlockMask for other lengths, where query row i is row `i + q_offset` of this mask.
+
+        For decoding with a KV cache of length L: `bm.resize(q_len=1, kv_len=L, q_offset=L - 1)`.
+        The new mask is `mask_mod(b, h, q_idx + q_offset, kv_idx)`. When the tiles came from the
+        mask, they are reclassified, analytically where the mask allows (O(tiles), no per-pair
+        work); BlockMasks from user block lists are sliced instead, which needs `q_offset` to be a
+        multiple of the q block size and the new tiles to lie within the old ones.
+
+        >>> import flexfa
+        >>> bm = flexfa.create_block_mask(flexfa.masks.sliding_window(128), None, None, 1024, 1024)
+        >>> step = bm.resize(q_len=1, kv_len=300, q_offset=299)  # query 299 sees keys 172..299
+        >>> step.tile_states().tolist()
+        [[[[0, 1, 2]]]]
+        """
+        from flexfa.blockmask.transform import resize
+
+        return resize(self, q_len=q_len, kv_len=kv_len, q_offset=q_offset)
+
+    def __and__(self, other: BlockMask) -> BlockMask:
+        """Pairs both masks allow: tiles from the two tile grids, mask `and_masks(m1, m2)`.
+
+        >>> import flexfa
+        >>> a = flexfa.create_block_mask(flexfa.masks.causal, None, None, 512, 512)
+        >>> b = flexfa.create_block_mask(flexfa.masks.sliding_window(128), None, None, 512, 512)
+        >>> (a & b).sparsity()
+        56.25
+        """
+        from flexfa.blockmask.transform import combine
+
+        return combine(self, other, "and")
+
+    def __or__(self, other: BlockMask) -> BlockMask:
+        """Pairs either mask allows: tiles from the two tile grids, mask `or_masks(m1, m2)`."""
+        from flexfa.blockmask.transform import combine
+
+        return combine(self, other, "or")
+
+    # -- display --------------------------------------------------------------------------------
+    def to_string(self, grid_size: int | tuple[int, int] = (20, 20), limit: int = 4) -> str:
+        """A drawing of the tiles: `██` full, `░░` partial, blank empty.
+
+        Grids larger than `grid_size` (rows, cols; -1 for no limit) are summarized: a cell
+        standing for several tiles is full or empty only if all of them are. At most `limit`
+        (b, h) planes are drawn.
+
+        >>> import flexfa
+        >>> print(flexfa.create_block_mask(flexfa.masks.causal, None, None, 384, 384).to_string())
+        ░░
+        ██░░
+        ████░░
+        """
+        from flexfa.blockmask.render import to_string
+
+        return to_string(self, grid_size=grid_size, limit=limit)
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+    def plot(self, path: str | os.PathLike[str], *, b: int = 0, h: int = 0) -> None:
+        """Write a PNG picture of the tiles of batch element `b` and head `h` to `path`.
+
+        Needs matplotlib (`pip install flexfa[plot]`).
+        """
+        from flexfa.blockmask.render import plot
+
+        plot(self, path, b=b, h=h)

@@ -1,14 +1,192 @@
-"""`create_block_mask`: from a mask_mod to a `BlockMask`."""
+"""`create_block_mask`: from a mask_mod to a `BlockMask`, in three tiers.
+
+1. Analysis of the mask's IR (`flexfa.blockmask.analysis`) proves tiles full, empty or partial for
+   all tiles at once, in O(tiles) plus O(Q_LEN + KV_LEN) exact evaluations per (b, h).
+2. Witnesses (`flexfa.blockmask.witness`) prove undecided tiles partial with two actual pairs.
+3. Refinement: the same analysis on 8 x 8 sub-rectangles of each tile still undecided (bounds are
+   tighter on smaller rectangles); the tile is full or empty if all its parts are, partial if one
+   part is, or if one part is full and another empty.
+4. Exact evaluation (`flexfa.blockmask.exact`, or a generated Triton kernel on CUDA) decides the
+   rest, tile by tile, with memory O(chunk).
+
+Memory is O(B * H * tiles) throughout; the dense B x H x Q_LEN x KV_LEN mask is never built.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
 
-from flexfa.blockmask.block_mask import BlockMask, BlockSize
-from flexfa.blockmask.exact import classify_exact
+from flexfa.blockmask.analysis import Analyzer
+from flexfa.blockmask.block_mask import BlockMask, BlockSize, TileState
+from flexfa.blockmask.exact import classify_exact, classify_tiles
+from flexfa.blockmask.grid import TileGrid, TileList, TileSet
+from flexfa.blockmask.witness import prove_partial
 from flexfa.frontend.trace import TracedMod, trace_mask_mod
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Classification:
+    """Tile states of a grid, and how many tiles each tier decided."""
+
+    states: torch.Tensor  # int8 [B, H, nq, nkv] of TileState
+    analytic: int  # decided by the analysis of whole tiles
+    witnessed: int  # proven partial by witnesses
+    refined: int  # decided by the analysis of sub-rectangles
+    evaluated: int  # decided by exact evaluation
+
+    @property
+    def tiles(self) -> int:
+        return int(self.states.numel())
+
+
+def _exact_tiles(mask: TracedMod, grid: TileGrid, tiles: TileList) -> torch.Tensor:
+    if grid.device.type == "cuda":
+        from flexfa.blockmask import exact_triton
+
+        if exact_triton.available():
+            return exact_triton.classify_tiles(mask, grid, tiles)
+    return classify_tiles(mask, grid, tiles)
+
+
+# Refinement: sub-rectangles per side at each level, and rectangles analyzed at once. A level is
+# run only if it analyzes at most 1/_REFINE_RATIO as many rectangles as the open tiles have pairs,
+# so refinement that does not pay off costs a few percent of the exact evaluation that follows.
+_SPLIT = 8
+_REFINE_CHUNK = 1 << 18
+_REFINE_RATIO = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Decided:
+    """How many pending tiles `decide` settled by each tier."""
+
+    witnessed: int
+    refined: int
+    evaluated: int
+
+
+def _take(tiles: TileList, keep: torch.Tensor) -> TileList:
+    return TileList(tiles.b[keep], tiles.h[keep], tiles.i[keep], tiles.j[keep])
+
+
+def _refine(
+    analyzer: Analyzer, grid: TileGrid, tiles: TileList
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(decided, state) per listed tile, from the analysis of ever smaller sub-rectangles.
+
+    A tile is full when all its sub-rectangles are, empty when all are, partial when one is
+    partial or one is full and another empty. Sub-rectangles left undecided are split again
+    (8 x 8) while that is much cheaper than evaluating their tiles exactly.
+    """
+    dev = grid.device
+    T = len(tiles)
+    some_true = torch.zeros(T, dtype=torch.bool, device=dev)
+    some_false = torch.zeros(T, dtype=torch.bool, device=dev)
+    risky = torch.zeros(T, dtype=torch.bool, device=dev)
+    rects = TileSet.of_tiles(grid, tiles)
+    owner = torch.arange(T, device=dev)
+    size = (grid.block_size.q, grid.block_size.kv)
+    pairs_per_tile = size[0] * size[1]
+    while rects.shape[0] and size != (1, 1):
+        parts = (min(_SPLIT, size[0]), min(_SPLIT, size[1]))
+        n_sub = rects.shape[0] * parts[0] * parts[1]
+        open_tiles = int(torch.unique(owner).numel())
+        if n_sub * _REFINE_RATIO > open_tiles * pairs_per_tile:
+            break
+        sub = rects.split(parts, size)
+        owner = owner.repeat_interleave(parts[0] * parts[1])
+        size = (-(-size[0] // parts[0]), -(-size[1] // parts[1]))
+        undecided = torch.empty(n_sub, dtype=torch.bool, device=dev)
+        for s0 in range(0, n_sub, _REFINE_CHUNK):
+            keep = torch.zeros(n_sub, dtype=torch.bool, device=dev)
+            keep[s0 : s0 + _REFINE_CHUNK] = True
+            a = analyzer.run(sub.select(keep))
+            o = owner[s0 : s0 + _REFINE_CHUNK]
+            some_true[o[a.full | a.partial]] = True
+            some_false[o[a.empty | a.partial]] = True
+            open_ = a.undecided
+            # An allowed pair that may read out of bounds must reach exact evaluation.
+            risky[o[open_ & a.may_read_out_of_bounds]] = True
+            undecided[s0 : s0 + _REFINE_CHUNK] = open_
+        # Tiles already proven partial need no finer look.
+        undecided &= ~(some_true & some_false)[owner]
+        rects, owner = sub.select(undecided), owner[undecided]
+    still_open = torch.zeros(T, dtype=torch.bool, device=dev)
+    still_open[owner] = True
+    mixed = some_true & some_false & ~risky
+    all_full = ~some_false & ~still_open & ~risky
+    all_empty = ~some_true & ~still_open
+    state = torch.where(all_full, int(TileState.FULL), int(TileState.PARTIAL))
+    state = torch.where(all_empty, int(TileState.EMPTY), state).to(torch.int8)
+    return mixed | all_full | all_empty, state
+
+
+def decide(
+    mask: TracedMod,
+    grid: TileGrid,
+    states: torch.Tensor,
+    pending: TileList,
+    risky: torch.Tensor | None = None,
+    analyzer: Analyzer | None = None,
+) -> Decided:
+    """Write the states of the `pending` tiles into `states` (int8 [B, H, nq, nkv], in place):
+    witnesses, then refinement, then exact evaluation. Tiles flagged in `risky` (loads that may
+    read out of bounds) skip witnesses (Note [Loads out of bounds])."""
+    if not len(pending):
+        return Decided(0, 0, 0)
+    flat = states.view(-1)
+    if risky is not None:
+        proven = ~risky[pending.b, pending.h, pending.i, pending.j]
+        proven[proven.clone()] = prove_partial(mask, grid, _take(pending, proven))
+    else:
+        proven = prove_partial(mask, grid, pending)
+    flat[pending.flat_index(grid.shape)[proven]] = int(TileState.PARTIAL)
+    rest = _take(pending, ~proven)
+    refined = 0
+    if len(rest):
+        analyzer = analyzer if analyzer is not None else Analyzer(mask, grid)
+        done, state = _refine(analyzer, grid, rest)
+        flat[rest.flat_index(grid.shape)[done]] = state[done]
+        refined = int(done.sum())
+        rest = _take(rest, ~done)
+    if len(rest):
+        flat[rest.flat_index(grid.shape)] = _exact_tiles(mask, grid, rest)
+    return Decided(int(proven.sum()), refined, len(rest))
+
+
+def classify(mask: TracedMod, grid: TileGrid, *, analysis: bool = True) -> Classification:
+    """Tile states of `mask` on `grid`: analysis, then witnesses, then exact evaluation.
+
+    `analysis=False` evaluates every tile exactly (for comparisons and tests).
+
+    >>> import torch, flexfa
+    >>> grid = TileGrid(1, 1, 1024, 1024, BlockSize(128, 128), torch.device("cpu"))
+    >>> c = classify(flexfa.trace_mask_mod(flexfa.masks.causal), grid)
+    >>> c.analytic, c.witnessed, c.refined, c.evaluated
+    (64, 0, 0, 0)
+    """
+    if not analysis:
+        states = classify_exact(
+            mask,
+            batch=grid.batch,
+            heads=grid.heads,
+            q_len=grid.q_len,
+            kv_len=grid.kv_len,
+            block_size=grid.block_size,
+            device=grid.device,
+        )
+        return Classification(states, 0, 0, 0, grid.num_tiles)
+    analyzer = Analyzer(mask, grid)
+    result = analyzer.run(TileSet.of_grid(grid))
+    states = result.partial.to(torch.int8) * int(TileState.PARTIAL)
+    states.masked_fill_(result.full, int(TileState.FULL))
+    pending = TileList.where(result.undecided)
+    d = decide(mask, grid, states, pending, result.may_read_out_of_bounds, analyzer)
+    analytic = grid.num_tiles - len(pending)
+    return Classification(states, analytic, d.witnessed, d.refined, d.evaluated)
 
 
 def _check_len(name: str, value: object) -> int:
@@ -46,11 +224,15 @@ def create_block_mask(
 
     >>> import flexfa
     >>> bm = flexfa.create_block_mask(flexfa.masks.sliding_window(256), None, None, 1024, 1024)
-    >>> print(bm.to_string())  # doctest: +NORMALIZE_WHITESPACE
+    >>> print(bm)
     ░░
     ██░░
-      ██░░
-        ██░░
+    ░░██░░
+      ░░██░░
+        ░░██░░
+          ░░██░░
+            ░░██░░
+              ░░██░░
     """
     _check_dim("B", B)
     _check_dim("H", H)
@@ -75,15 +257,8 @@ def create_block_mask(
             )
     batch = B if (B is not None and "b" in traced.variables) else 1
     heads = H if (H is not None and "h" in traced.variables) else 1
-    states = classify_exact(
-        traced,
-        batch=batch,
-        heads=heads,
-        q_len=Q_LEN,
-        kv_len=KV_LEN,
-        block_size=block_size,
-        device=device,
-    )
+    grid = TileGrid(batch, heads, Q_LEN, KV_LEN, block_size, device)
+    states = classify(traced, grid).states
     return BlockMask.from_tile_states(
         states, q_len=Q_LEN, kv_len=KV_LEN, block_size=block_size, mask=traced
     )

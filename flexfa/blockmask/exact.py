@@ -1,8 +1,9 @@
-"""Exact tile classification by evaluating the mask, a few block-rows at a time.
+"""Exact tile classification by evaluating the mask at every in-range pair of the tiles asked for.
 
-This is the tier used where analysis of the IR cannot decide a tile (masks that read tensors, such
-as document ids). It evaluates `mask_mod` on every pair of the tiles it is given, in chunks sized so
-that the temporary bool tensor stays small: memory is O(chunk), never O(B * H * Q * KV).
+This is the tier used where neither analysis nor witnesses decide a tile (masks that read tensors
+in ways the analysis cannot bound). It evaluates `mask_mod` on every pair of the tiles it is given,
+in chunks sized so that the temporary bool tensor stays small: memory is O(chunk), never
+O(B * H * Q * KV). On CUDA, `flexfa.blockmask.exact_triton` does the same in one generated kernel.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from flexfa.blockmask.block_mask import BlockSize, TileState
+from flexfa.blockmask.grid import TileGrid, TileList
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.evaluate import Evaluator
 
@@ -35,10 +37,10 @@ def evaluate_mask(
     """mask_mod over broadcast index tensors; raises if an allowed pair read out of bounds."""
     ev = Evaluator(env, mask.tensors)
     allowed = ev(mask.output)
-    if check_bounds and ev.out_of_bounds is not None and bool(ev.out_of_bounds.any()):
+    if check_bounds and ev.out_of_bounds is not None and bool((ev.out_of_bounds & allowed).any()):
         raise IndexError(
-            f"mask_mod {mask.name!r} indexes a captured tensor out of bounds for some (q_idx, kv_idx) "
-            "in range; are the captured tensors sized for these sequence lengths?"
+            f"mask_mod {mask.name!r} indexes a captured tensor out of bounds at an allowed "
+            "(q_idx, kv_idx) pair; are the captured tensors sized for these sequence lengths?"
         )
     return allowed
 
@@ -53,7 +55,14 @@ def classify_exact(
     block_size: BlockSize,
     device: torch.device,
 ) -> torch.Tensor:
-    """Tile states int8 [batch, heads, q-blocks, kv-blocks] by evaluating every in-range pair."""
+    """Tile states int8 [batch, heads, q-blocks, kv-blocks] by evaluating every in-range pair.
+
+    >>> import torch, flexfa
+    >>> traced = flexfa.trace_mask_mod(flexfa.masks.causal)
+    >>> classify_exact(traced, batch=1, heads=1, q_len=4, kv_len=4, block_size=BlockSize(2, 2),
+    ...                device=torch.device("cpu")).tolist()
+    [[[[1, 0], [2, 1]]]]
+    """
     bq, bkv = block_size.q, block_size.kv
     nq, nkv = -(-q_len // bq), -(-kv_len // bkv)
     states = torch.empty(batch, heads, nq, nkv, dtype=torch.int8, device=device)
@@ -75,8 +84,40 @@ def classify_exact(
         shape = (batch, heads, tiles, bq, nkv, bkv)
         any_ = (allowed & in_range).reshape(shape).any(dim=5).any(dim=3)
         all_ = (allowed | ~in_range).reshape(shape).all(dim=5).all(dim=3)
-        chunk = torch.full_like(any_, int(TileState.PARTIAL), dtype=torch.int8)
-        chunk[all_] = int(TileState.FULL)
-        chunk[~any_] = int(TileState.EMPTY)
-        states[:, :, r0 // bq : r0 // bq + tiles] = chunk
+        states[:, :, r0 // bq : r0 // bq + tiles] = _states(any_, all_)
     return states
+
+
+def _states(any_: torch.Tensor, all_: torch.Tensor) -> torch.Tensor:
+    out = torch.full(any_.shape, int(TileState.PARTIAL), dtype=torch.int8, device=any_.device)
+    out[all_] = int(TileState.FULL)
+    out[~any_] = int(TileState.EMPTY)
+    return out
+
+
+def classify_tiles(mask: TracedMod, grid: TileGrid, tiles: TileList) -> torch.Tensor:
+    """Tile states int8 [T] of the listed tiles, by evaluating the mask at each in-range pair.
+
+    Rows and columns past the sequence lengths are replaced by the last in-range ones, which
+    repeats pairs but changes neither "some pair allowed" nor "every pair allowed".
+    """
+    bq, bkv = grid.block_size.q, grid.block_size.kv
+    out = torch.empty(len(tiles), dtype=torch.int8, device=grid.device)
+    q_lo_all, q_hi_all = grid.q_bounds
+    kv_lo_all, kv_hi_all = grid.kv_bounds
+    rows = torch.arange(bq, device=grid.device)
+    cols = torch.arange(bkv, device=grid.device)
+    start = 0
+    for chunk in tiles.chunks(max(1, _CHUNK_ELEMENTS // (bq * bkv))):
+        q = torch.minimum(q_lo_all[chunk.i, None] + rows, q_hi_all[chunk.i, None])
+        kv = torch.minimum(kv_lo_all[chunk.j, None] + cols, kv_hi_all[chunk.j, None])
+        env = {
+            "b": chunk.b.to(torch.int32).view(-1, 1, 1),
+            "h": chunk.h.to(torch.int32).view(-1, 1, 1),
+            "q_idx": q.to(torch.int32).view(-1, bq, 1),
+            "kv_idx": kv.to(torch.int32).view(-1, 1, bkv),
+        }
+        allowed = evaluate_mask(mask, env).expand(len(chunk), bq, bkv)
+        out[start : start + len(chunk)] = _states(allowed.any(dim=(1, 2)), allowed.all(dim=(1, 2)))
+        start += len(chunk)
+    return out
