@@ -124,3 +124,47 @@ def test_triton_matches_reference_on_gpu(case: GpuCase) -> None:
         assert (grads[0][:, :, :100] == 0).all()
     for g in grads:
         assert torch.isfinite(g).all()
+
+
+def test_deterministic_captured_gradients_on_gpu() -> None:
+    torch.manual_seed(0)
+    dev = "cuda"
+    q, k, v = (torch.randn(2, 8, 2048, 64, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    table = torch.randn(8, 2 * 512 + 1, device=dev, requires_grad=True)
+    do = torch.randn_like(q)
+
+    def grads(deterministic: bool) -> torch.Tensor:
+        out = flexfa.attention(
+            q,
+            k,
+            v,
+            fmods.relative_bias(table),
+            fm.causal,
+            backend="triton",
+            deterministic=deterministic,
+        )
+        return torch.autograd.grad(out, table, do)[0]
+
+    first, second, atomic = grads(True), grads(True), grads(False)
+    assert torch.equal(first, second), "deterministic gradients differ between two runs"
+    torch.testing.assert_close(first, atomic, rtol=1e-3, atol=1e-3)
+
+
+def test_autotune_stores_and_reuses_results(tmp_path) -> None:
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 4, 1024, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    with flexfa.config.override(cache_dir=str(tmp_path)):
+        tuned = flexfa.attention(
+            q, k, v, block_mask=fm.causal, backend="triton", kernel_options={"autotune": True}
+        )
+        tuned.sum().backward()
+        assert (tmp_path / "triton" / "tuning.json").exists()
+        entries = (tmp_path / "triton" / "tuning.json").read_text()
+        assert '"fwd"' in entries and '"bwd"' in entries
+        again = flexfa.attention(q, k, v, block_mask=fm.causal, backend="triton")
+    default = flexfa.attention(q, k, v, block_mask=fm.causal, backend="triton")
+    torch.testing.assert_close(tuned, default, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(again, default, rtol=2e-2, atol=2e-2)
