@@ -27,9 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import flexfa  # noqa: E402
-from flexfa import masks as fm  # noqa: E402
-from flexfa import mods as fmods  # noqa: E402
+import flexfa
+from flexfa import masks as fm
+from flexfa import mods as fmods
 
 CASES = (
     "full",
@@ -106,7 +106,11 @@ def bench_case(name: str, args) -> dict:
 
     # flexfa
     t0 = time.perf_counter()
-    bm_f = flexfa.create_block_mask(mask_mod, B if per_batch else None, None, N, N, device=dev) if mask_mod else None
+    bm_f = (
+        flexfa.create_block_mask(mask_mod, B if per_batch else None, None, N, N, device=dev)
+        if mask_mod
+        else None
+    )
     torch.cuda.synchronize()
     rec["flexfa_blockmask_first_ms"] = 1e3 * (time.perf_counter() - t0)
 
@@ -115,7 +119,11 @@ def bench_case(name: str, args) -> dict:
 
     # torch FlexAttention
     flex = torch.compile(flex_attention, dynamic=False)
-    bm_t = create_block_mask(mask_mod, B if per_batch else None, None, N, N, device=dev) if mask_mod else None
+    bm_t = (
+        create_block_mask(mask_mod, B if per_batch else None, None, N, N, device=dev)
+        if mask_mod
+        else None
+    )
 
     def t_fwd():
         return flex(q, k, v, score_mod=score_mod, block_mask=bm_t)
@@ -135,7 +143,9 @@ def bench_case(name: str, args) -> dict:
     # Gradients agree too (one backward each, outside timing).
     gf = torch.autograd.grad(f_fwd(), (q, k, v), do)
     gt = torch.autograd.grad(t_fwd(), (q, k, v), do)
-    rec["max_abs_diff_grads"] = max(float((a.float() - b.float()).abs().max()) for a, b in zip(gf, gt))
+    rec["max_abs_diff_grads"] = max(
+        float((a.float() - b.float()).abs().max()) for a, b in zip(gf, gt)
+    )
 
     def fb(fn):
         def run():
@@ -149,9 +159,29 @@ def bench_case(name: str, args) -> dict:
             ms = do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
         rec[f"{label}_fwd_ms"] = ms
         rec[f"{label}_fwd_tflops"] = fl_fwd / (ms * 1e-3) / 1e12
-        ms = do_bench(fb(fn), warmup=args.warmup, rep=args.rep, return_mode="median", grad_to_none=[q, k, v])
+        ms = do_bench(
+            fb(fn), warmup=args.warmup, rep=args.rep, return_mode="median", grad_to_none=[q, k, v]
+        )
         rec[f"{label}_fwdbwd_ms"] = ms
         rec[f"{label}_fwdbwd_tflops"] = 3.5 * fl_fwd / (ms * 1e-3) / 1e12
+
+    # The other backward mode: dQ fused into the dK/dV kernel with atomics.
+    def f_fused():
+        return flexfa.attention(
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=bm_f,
+            backend="triton",
+            kernel_options={"bwd_dq": "fused"},
+        )
+
+    ms = do_bench(
+        fb(f_fused), warmup=args.warmup, rep=args.rep, return_mode="median", grad_to_none=[q, k, v]
+    )
+    rec["flexfa_fused_fwdbwd_ms"] = ms
+    rec["flexfa_fused_fwdbwd_tflops"] = 3.5 * fl_fwd / (ms * 1e-3) / 1e12
     rec["ratio_fwd"] = rec["flexfa_fwd_tflops"] / rec["flex_fwd_tflops"]
     rec["ratio_fwdbwd"] = rec["flexfa_fwdbwd_tflops"] / rec["flex_fwdbwd_tflops"]
     return rec
@@ -197,10 +227,14 @@ def compile_times(cases: list[str]) -> list[dict]:
                     TRITON_CACHE_DIR=f"{tmp}/triton",
                     TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor",
                 )
-                code = _COMPILE_CHILD.format(root=root, bench=str(Path(__file__).parent), which=which, name=name)
+                code = _COMPILE_CHILD.format(
+                    root=root, bench=str(Path(__file__).parent), which=which, name=name
+                )
                 row = {"case": name, "system": which}
                 for phase in ("cold", "warm"):
-                    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+                    res = subprocess.run(
+                        [sys.executable, "-c", code], env=env, capture_output=True, text=True
+                    )
                     if res.returncode != 0:
                         row[phase] = {"error": res.stderr[-800:]}
                     else:
@@ -233,13 +267,19 @@ def main() -> None:
         rows = compile_times(cases)
         if out_dir:
             Path(out_dir, "compile_times.json").write_text(json.dumps(rows, indent=1))
-        print(f"\n{'case':22} {'system':7} {'cold fwd':>9} {'cold bwd':>9} {'warm fwd':>9} {'warm bwd':>9}")
+        print(
+            f"\n{'case':22} {'system':7} {'cold fwd':>9} {'cold bwd':>9} {'warm fwd':>9} {'warm bwd':>9}"
+        )
         for r in rows:
             c, w = r["cold"], r["warm"]
             if "error" in c or "error" in w:
-                print(f"{r['case']:22} {r['system']:7} error: {(c.get('error') or w.get('error'))[-200:]}")
+                print(
+                    f"{r['case']:22} {r['system']:7} error: {(c.get('error') or w.get('error'))[-200:]}"
+                )
                 continue
-            print(f"{r['case']:22} {r['system']:7} {c['fwd_s']:9.2f} {c['bwd_s']:9.2f} {w['fwd_s']:9.2f} {w['bwd_s']:9.2f}")
+            print(
+                f"{r['case']:22} {r['system']:7} {c['fwd_s']:9.2f} {c['bwd_s']:9.2f} {w['fwd_s']:9.2f} {w['bwd_s']:9.2f}"
+            )
         return
     results = []
     for name in cases:
@@ -254,7 +294,9 @@ def main() -> None:
     print(
         f"\n{'case':22} {'dens':>5} | {'fwd TF/s':>17} {'ratio':>6} | {'fwd+bwd TF/s':>17} {'ratio':>6} | {'diff':>7}"
     )
-    print(f"{'':22} {'':5} | {'flexfa':>8} {'torch':>8} {'':6} | {'flexfa':>8} {'torch':>8} {'':6} |")
+    print(
+        f"{'':22} {'':5} | {'flexfa':>8} {'torch':>8} {'':6} | {'flexfa':>8} {'torch':>8} {'':6} |"
+    )
     for r in results:
         if "error" in r:
             print(f"{r['case']:22} ERROR {r['error'][:150]}")
@@ -262,7 +304,8 @@ def main() -> None:
         print(
             f"{r['case']:22} {r['density']:5.3f} | {r['flexfa_fwd_tflops']:8.1f} {r['flex_fwd_tflops']:8.1f} "
             f"{r['ratio_fwd']:6.2f} | {r['flexfa_fwdbwd_tflops']:8.1f} {r['flex_fwdbwd_tflops']:8.1f} "
-            f"{r['ratio_fwdbwd']:6.2f} | {r['max_abs_diff_out']:7.1e}"
+            f"{r['ratio_fwdbwd']:6.2f} | {r['max_abs_diff_out']:7.1e} | fused dQ f+b "
+            f"{r['flexfa_fused_fwdbwd_tflops']:6.1f}"
         )
 
 

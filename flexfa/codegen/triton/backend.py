@@ -178,6 +178,12 @@ class Launcher:
         self.configs = _resolve_configs(spec, capability, tuned)
         pinned = set(spec.kernel_options) & (set(cfgs.FWD_OPTIONS) | set(cfgs.BWD_OPTIONS))
         wants = spec.kernel_options.get("autotune", config.autotune)
+        mode = spec.kernel_options.get("bwd_dq", "separate")
+        if mode not in ("separate", "fused"):
+            raise ValueError(
+                f"kernel_options['bwd_dq'] must be 'separate' or 'fused', got {mode!r}"
+            )
+        self.fused_dq = mode == "fused"
         self.tune = bool(wants) and tuned is None and not pinned and self.tuning_key is not None
         self.flags = _list_flags(spec.block_mask)
         if spec.dtype == torch.float32:
@@ -284,8 +290,13 @@ class Launcher:
         grads,
         capture_mode: int,
         cfg: BwdConfig | None = None,
+        dq_acc: torch.Tensor | None = None,
     ) -> list[KernelLaunch]:
+        """The backward launches. With `dq_acc` (float32, zeroed) dQ is fused into the dK/dV kernel
+        with atomics and the dQ launch is left out; the caller converts dq_acc to dq."""
         spec = self.spec
+        fused = dq_acc is not None
+        acc = dq_acc if fused else dq  # never written unless fused
         bm = spec.block_mask
         cfg = cfg or self.configs.bwd
         B, Hq, Hkv, Lq, Lkv = spec.batch, spec.heads_q, spec.heads_kv, spec.len_q, spec.len_kv
@@ -309,14 +320,16 @@ class Launcher:
             EVEN_N=Lkv % cfg.block_n1 == 0,
             HAS_PARTIAL=self.flags.has_q_partial,
             HAS_FULL=self.flags.has_q_full,
+            FUSED_DQ=fused,
+            CAPTURE_MODE=capture_mode if fused else 0,
         )
         dkdv_args = [
-            q, k, v, dout, dk, dv, lse, delta,
+            q, k, v, dout, dk, dv, lse, delta, acc,
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
-            lse.stride(0), lse.stride(1),
+            *acc.stride(), lse.stride(0), lse.stride(1),
             *_ListArgs(bm.q_partial, bm.q_full).args(),
             Lq, Lkv, Hq, spec.group_size, spec.scale,
-            *mod_args,
+            *mod_args, *grads,
         ]  # fmt: skip
         dq_constexprs = dict(
             self._shape_constexprs(),
@@ -339,20 +352,24 @@ class Launcher:
             *mod_args, *grads,
         ]  # fmt: skip
         m = self.module
-        return [
+        launches = [
             self._make(
                 "bwd_preprocess", m.flexfa_bwd_preprocess, (triton_cdiv(Lq, pre_block), B * Hq),
                 pre_args, pre_constexprs, cfg, "backward preprocess",
             ),
             self._make(
                 "bwd_dkdv", m.flexfa_bwd_dkdv, (triton_cdiv(Lkv, cfg.block_n1), B * Hkv),
-                dkdv_args, dkdv_constexprs, cfg, "backward dK/dV",
-            ),
-            self._make(
-                "bwd_dq", m.flexfa_bwd_dq, (triton_cdiv(Lq, cfg.block_m2), B * Hq),
-                dq_args, dq_constexprs, cfg, "backward dQ",
+                dkdv_args, dkdv_constexprs, cfg, "backward dK/dV" + (" + dQ" if fused else ""),
             ),
         ]  # fmt: skip
+        if not fused:
+            launches.append(
+                self._make(
+                    "bwd_dq", m.flexfa_bwd_dq, (triton_cdiv(Lq, cfg.block_m2), B * Hq),
+                    dq_args, dq_constexprs, cfg, "backward dQ",
+                )
+            )  # fmt: skip
+        return launches
 
     def forward(self, q, k, v, score_tensors):
         spec = self.spec
@@ -362,8 +379,47 @@ class Launcher:
         lse = torch.empty(
             spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device
         )
+        if self.tune:
+            self._tune_forward(q, k, v, out, lse, score_tensors)
         launch(self.forward_launch(q, k, v, out, lse, score_tensors))
         return out, lse
+
+    def _candidates(self, which: str) -> list:
+        spec = self.spec
+        source = autotune.fwd_candidates if which == "fwd" else autotune.bwd_candidates
+        cands = source(self.capability, spec.head_dim, spec.dtype)
+        return autotune.unique([autotune.fit(c, spec.block_mask.block_size) for c in cands])
+
+    def _tune_forward(self, q, k, v, out, lse, score_tensors) -> None:
+        def run(c: FwdConfig) -> None:
+            launch(self.forward_launch(q, k, v, out, lse, score_tensors, c))
+
+        best = autotune.pick(self._candidates("fwd"), run, "forward")
+        if best is not None:
+            self.configs = dataclasses.replace(self.configs, fwd=best)
+        if not self.spec.needs_grad:  # no backward follows: store what was tuned now
+            cfgs.store_tuned(self.tuning_key, self.configs)
+            self.tune = False
+
+    def _tune_backward(self, common: tuple, grad_buffers: list) -> None:
+        scratch = [torch.zeros_like(b) for b in grad_buffers]
+        dq_acc = (
+            torch.zeros(common[0].shape, dtype=torch.float32, device=common[0].device)
+            if self.fused_dq
+            else None
+        )
+
+        def run(c: BwdConfig) -> None:
+            for kl in self.backward_launches(
+                *common, scratch, 1 if scratch else 0, c, dq_acc=dq_acc
+            ):
+                launch(kl)
+
+        best = autotune.pick(self._candidates("bwd"), run, "backward")
+        if best is not None:
+            self.configs = dataclasses.replace(self.configs, bwd=best)
+        cfgs.store_tuned(self.tuning_key, self.configs)
+        self.tune = False
 
     def backward(self, q, k, v, out, lse, dout, dlse, score_tensors, grad_slots):
         spec = self.spec
@@ -373,37 +429,45 @@ class Launcher:
         slots = sorted(self.grad_slots)
         shapes = [score_tensors[s].shape for s in slots]
         dev = q.device
+        deterministic = spec.deterministic
+        fused = self.fused_dq and not deterministic
+        dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=dev) if fused else None
         common = (q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, score_tensors)
+
+        def run(grad_buffers: list, mode: int, only_dq: bool = False) -> None:
+            launches = self.backward_launches(*common, grad_buffers, mode, dq_acc=dq_acc)
+            for kl in launches[-1:] if only_dq else launches:
+                launch(kl)
+
         if self.tune:
             buffers = [torch.zeros(shape, dtype=torch.float32, device=dev) for shape in shapes]
             self._tune_backward(
                 common, [*buffers, torch.zeros(len(slots), device=dev)] if slots else []
             )
+        placeholder = torch.empty(0, device=dev)
         if not grad_slots:
-            bufs = [torch.empty(0, device=dev) for _ in slots]
-            extra = [torch.empty(0, device=dev)] if slots else []
-            for kl in self.backward_launches(*common, bufs + extra, 0):
-                launch(kl)
-            return dq, dk, dv, {}
-        if not spec.deterministic:
+            run([placeholder for _ in slots] + ([placeholder] if slots else []), 0)
+            grads: dict[int, torch.Tensor] = {}
+        elif not deterministic:
             bufs = [torch.zeros(shape, dtype=torch.float32, device=dev) for shape in shapes]
-            for kl in self.backward_launches(*common, [*bufs, torch.empty(0, device=dev)], 1):
-                launch(kl)
-            return dq, dk, dv, dict(zip(slots, bufs))
-        # Deterministic: a full pass that also finds max |contribution| per capture, then the dQ
-        # kernel again accumulating in fixed point (Note [Deterministic captured gradients]).
-        ints = [torch.zeros(shape, dtype=torch.int64, device=dev) for shape in shapes]
-        scales = torch.zeros(len(slots), dtype=torch.float32, device=dev)
-        for kl in self.backward_launches(*common, [*ints, scales], 2):
-            launch(kl)
-        pairs = spec.batch * spec.heads_q * spec.len_q * spec.len_kv
-        exponent = torch.floor(62.0 - torch.log2(scales.clamp_min(1e-30)) - math.log2(pairs))
-        scales.copy_(torch.where(scales > 0, torch.exp2(exponent.clamp(-126.0, 126.0)), 1.0))
-        launch(self.backward_launches(*common, [*ints, scales], 3)[-1])
-        grads = {
-            s: (i.to(torch.float64) / scales[j].to(torch.float64))
-            for j, (s, i) in enumerate(zip(slots, ints))
-        }
+            run([*bufs, placeholder], 1)
+            grads = dict(zip(slots, bufs))
+        else:
+            # A full pass that also finds max |contribution| per capture, then the dQ kernel again
+            # accumulating in fixed point (Note [Deterministic captured gradients] in emit.py).
+            ints = [torch.zeros(shape, dtype=torch.int64, device=dev) for shape in shapes]
+            scales = torch.zeros(len(slots), dtype=torch.float32, device=dev)
+            run([*ints, scales], 2)
+            pairs = spec.batch * spec.heads_q * spec.len_q * spec.len_kv
+            exponent = torch.floor(62.0 - torch.log2(scales.clamp_min(1e-30)) - math.log2(pairs))
+            scales.copy_(torch.where(scales > 0, torch.exp2(exponent.clamp(-126.0, 126.0)), 1.0))
+            run([*ints, scales], 3, only_dq=True)
+            grads = {
+                s: i.to(torch.float64) / scales[j].to(torch.float64)
+                for j, (s, i) in enumerate(zip(slots, ints))
+            }
+        if dq_acc is not None:
+            dq = dq_acc.to(q.dtype)
         return dq, dk, dv, grads
 
 

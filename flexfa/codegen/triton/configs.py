@@ -36,7 +36,7 @@ BWD_OPTIONS = {
     "bwd_num_warps": "num_warps",
     "bwd_num_stages": "num_stages",
 }
-OTHER_OPTIONS = frozenset({"autotune"})
+OTHER_OPTIONS = frozenset({"autotune", "bwd_dq"})
 KNOWN_OPTIONS = frozenset(FWD_OPTIONS) | frozenset(BWD_OPTIONS) | OTHER_OPTIONS
 
 

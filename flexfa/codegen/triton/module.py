@@ -127,7 +127,6 @@ def template_params(
     mask_names: list[str] = []
     grad_names: list[str] = []
     score_grad_names: list[str] = []
-    nograd_names: list[str] = []
     if score is not None:
         score_src = emit.emit_mod(score, f"score_mod_{score.name}")
         # Kernel-level names get a prefix so a score_mod and a mask_mod may capture equal names.
@@ -140,10 +139,6 @@ def template_params(
         if grad_caps:
             grad_names.append("capture_scales")
         score_grad_names = score_names + grad_names
-        # In the dK/dV kernel the scatter is compiled out (mode 0): any pointer fills the slots.
-        nograd_names = score_names + [f"sm_{caps[s].ptr}" for s in grad_caps]
-        if grad_caps:
-            nograd_names.append(f"sm_{caps[grad_caps[0]].ptr}")
     if mask is not None:
         mask_src = emit.emit_mod(mask, f"mask_mod_{mask.name}")
         mask_names = [f"mm_{p}" for p in mask_src.params]
@@ -159,7 +154,6 @@ def template_params(
         score_call_args=_call_suffix(score_names),
         mask_call_args=_call_suffix(mask_names),
         score_grad_call_args=_call_suffix(score_grad_names),
-        score_grad_call_args_nograd=_call_suffix(nograd_names),
     )
 
 

@@ -29,7 +29,6 @@ class TemplateParams:
     score_call_args: str
     mask_call_args: str
     score_grad_call_args: str
-    score_grad_call_args_nograd: str
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

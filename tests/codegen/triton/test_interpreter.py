@@ -165,3 +165,18 @@ def test_auto_on_cpu_picks_tiled_and_explains_triton():
     text = flexfa.explain_backend(q, q, q)
     assert "tiled: yes" in text
     assert "triton:" in text
+
+
+@pytest.mark.parametrize("score", ["relative_bias_per_head", "t5_buckets"])
+def test_fused_dq_backward(score):
+    """dQ accumulated with atomics inside the dK/dV kernel (kernel_options bwd_dq="fused")."""
+    p = SCORE_PROBLEM
+    check_attention(
+        p,
+        score_mod=maker(score_mod(score), p.shape),
+        mask_mod=mask_mod("causal").build(p.shape).fn,
+        block_size=(16, 32),
+        kernel_options={**TILES, "bwd_dq": "fused"},
+        backend="triton",
+        context=f"{score} fused dQ",
+    )
