@@ -26,6 +26,15 @@ import flexfa
 from flexfa.codegen.triton import autotune
 
 
+def _call(q, k, v, score_mod, bm, opts, do=None):
+    def run():
+        out = flexfa.attention(q, k, v, score_mod, bm, kernel_options=opts)
+        if do is not None:
+            out.backward(do)
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="full,causal")
