@@ -35,6 +35,17 @@ def _call(q, k, v, score_mod, bm, opts, do=None):
     return run
 
 
+def _call(q, k, v, score_mod, bm, opts, do=None):
+    """A closure that runs one attention call (and its backward when `do` is given)."""
+
+    def run():
+        out = flexfa.attention(q, k, v, score_mod, bm, kernel_options=opts)
+        if do is not None:
+            out.backward(do)
+
+    return run
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--cases", default="full,causal")
@@ -70,7 +81,7 @@ def main() -> None:
             try:
                 with torch.no_grad():
                     ms = do_bench(
-                        lambda: flexfa.attention(q, k, v, score_mod, bm, kernel_options=opts),
+                        _call(q, k, v, score_mod, bm, opts),
                         warmup=25,
                         rep=100,
                         return_mode="median",
@@ -93,13 +104,13 @@ def main() -> None:
                     )
                 }
                 opts["bwd_dq"] = mode
-
-                def step():
-                    flexfa.attention(q, k, v, score_mod, bm, kernel_options=opts).backward(do)
-
                 try:
                     ms = do_bench(
-                        step, warmup=25, rep=100, return_mode="median", grad_to_none=[q, k, v]
+                        _call(q, k, v, score_mod, bm, opts, do),
+                        warmup=25,
+                        rep=100,
+                        return_mode="median",
+                        grad_to_none=[q, k, v],
                     )
                 except Exception as e:
                     ms = repr(e)[:80]
