@@ -270,11 +270,17 @@ class Case:
 
 
 @st.composite
+def masks(draw, q_len: int, kv_len: int, max_leaves: int = 4) -> MaskExpr:
+    """A random mask whose captured tensors cover these lengths (and MAX_B, MAX_H)."""
+    t = _tables(draw(st.integers(0, 2**16)), max(q_len, kv_len))
+    return draw(st.recursive(atoms(t), combine, max_leaves=max_leaves))
+
+
+@st.composite
 def cases(draw, max_len: int = 160, max_leaves: int = 4) -> Case:
     q_len = draw(st.integers(1, max_len))
     kv_len = draw(st.one_of(st.just(q_len), st.integers(1, max_len)))
-    t = _tables(draw(st.integers(0, 2**16)), max(q_len, kv_len))
-    mask = draw(st.recursive(atoms(t), combine, max_leaves=max_leaves))
+    mask = draw(masks(q_len, kv_len, max_leaves))
     B = draw(st.sampled_from([None, 1, 2]))
     H = draw(st.sampled_from([None, 1, 3]))
     variables = flexfa.trace_mask_mod(mask.fn).variables
