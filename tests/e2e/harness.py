@@ -1,0 +1,189 @@
+"""Run one attention problem through a backend and through the reference, and compare.
+
+`check_attention` is the whole three-way check (tests/tolerance.py) of one call: output, LSE, dq,
+dk, dv and the gradients of captured tensors, for the kernel (any backend), the reference in the
+kernel's dtype (eager) and the reference in float64 (truth). Score mods are passed as makers,
+`dtype -> BuiltMod`, because the three runs need their own copies of learnable tensors (the truth
+holds float64 copies of the same values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+import flexfa
+from flexfa.reference import reference_attention
+from tests.mods import BuiltMod, ModEntry, Shape
+from tests.tolerance import ThreeWay
+
+ModMaker = Callable[[torch.dtype], BuiltMod]
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """Shapes and dtype of one attention call."""
+
+    batch: int = 1
+    heads_q: int = 2
+    heads_kv: int = 2
+    len_q: int = 17
+    len_kv: int = 17
+    head_dim: int = 16
+    head_dim_v: int = 16
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def enable_gqa(self) -> bool:
+        return self.heads_q != self.heads_kv
+
+    @property
+    def shape(self) -> Shape:
+        return Shape(self.batch, self.heads_q, self.len_q, self.len_kv)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype of learnable captured tensors on the kernel side (float32, or float64)."""
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+
+def maker(entry: ModEntry | None, shape: Shape, seed: int = 0) -> ModMaker | None:
+    """A catalog entry as a `dtype -> BuiltMod` maker (same values for every dtype)."""
+    if entry is None:
+        return None
+    return lambda dtype: entry.build(shape, dtype=dtype, seed=seed)
+
+
+def make_inputs(problem: Problem, seed: int) -> dict[str, torch.Tensor]:
+    """q, k, v and the cotangents dout, dlse, in the problem's dtype (values drawn in float64)."""
+    g = torch.Generator().manual_seed(seed)
+    p = problem
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(size, generator=g, dtype=torch.float64).to(p.dtype)
+
+    return {
+        "q": randn(p.batch, p.heads_q, p.len_q, p.head_dim),
+        "k": randn(p.batch, p.heads_kv, p.len_kv, p.head_dim),
+        "v": randn(p.batch, p.heads_kv, p.len_kv, p.head_dim_v),
+        "dout": randn(p.batch, p.heads_q, p.len_q, p.head_dim_v),
+        "dlse": randn(p.batch, p.heads_q, p.len_q),
+    }
+
+
+def _grads(
+    outputs: tuple[torch.Tensor, ...],
+    cotangents: tuple[torch.Tensor, ...],
+    inputs: list[torch.Tensor],
+) -> list[torch.Tensor]:
+    # An output that depends on no input (the LSE of a score_mod that ignores q and k) adds nothing.
+    pairs = [(o, c) for o, c in zip(outputs, cotangents) if o.requires_grad]
+    grads = torch.autograd.grad(
+        [o for o, _ in pairs], inputs, [c for _, c in pairs], allow_unused=True
+    )
+    return [torch.zeros_like(x) if g is None else g for g, x in zip(grads, inputs)]
+
+
+def _leaf(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    return t.detach().to(dtype or t.dtype).clone().requires_grad_(True)
+
+
+def check_attention(
+    problem: Problem,
+    *,
+    score_mod: ModMaker | None = None,
+    mask_mod: Callable[..., object] | None = None,
+    block_size: int | tuple[int, int] | None = None,
+    kernel_options: Mapping[str, Any] | None = None,
+    backend: str = "tiled",
+    scale: float | None = None,
+    grad: bool = True,
+    lse_grad: bool = True,
+    seed: int = 0,
+    atol: float | None = None,
+    context: str = "",
+) -> ThreeWay:
+    """Compare `flexfa.attention(backend=...)` with the reference; raises AssertionError on failure.
+
+    With `block_size` the kernel gets a BlockMask built by `flexfa.create_block_mask` at that tile
+    size, otherwise the bare `mask_mod` (flexfa builds the BlockMask). The reference always uses the
+    mask_mod alone: it checks the BlockMask as well as the kernel.
+    """
+    p = problem
+    data = make_inputs(p, seed)
+    kernel_mod = score_mod(p.param_dtype) if score_mod is not None else BuiltMod(None)  # type: ignore[arg-type]
+    eager_mod = score_mod(p.param_dtype) if score_mod is not None else BuiltMod(None)  # type: ignore[arg-type]
+    truth_mod = score_mod(torch.float64) if score_mod is not None else BuiltMod(None)  # type: ignore[arg-type]
+
+    if block_size is not None:
+        block_mask: object = flexfa.create_block_mask(
+            mask_mod if mask_mod is not None else flexfa.noop_mask,
+            p.batch,
+            p.heads_q,
+            p.len_q,
+            p.len_kv,
+            BLOCK_SIZE=block_size,
+        )
+    else:
+        block_mask = mask_mod
+
+    # Kernel.
+    q, k, v = (_leaf(data[n]) for n in "qkv")
+    out, lse = flexfa.attention(
+        q,
+        k,
+        v,
+        score_mod=kernel_mod.fn,
+        block_mask=block_mask,  # type: ignore[arg-type]
+        scale=scale,
+        enable_gqa=p.enable_gqa,
+        return_lse=True,
+        backend=backend,
+        kernel_options=kernel_options,
+    )
+    lse_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
+    assert out.dtype == p.dtype, f"output dtype {out.dtype}, expected {p.dtype}"
+    assert lse.dtype == lse_dtype, f"LSE dtype {lse.dtype}, expected {lse_dtype}"
+    assert out.shape == (p.batch, p.heads_q, p.len_q, p.head_dim_v)
+    assert lse.shape == (p.batch, p.heads_q, p.len_q)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any(), "NaN in the kernel's output"
+
+    # Eager torch in the kernel's dtype, and the float64 truth.
+    qe, ke, ve = (_leaf(data[n]) for n in "qkv")
+    out_e, lse_e = reference_attention(
+        qe, ke, ve, eager_mod.fn, mask_mod, scale=scale, enable_gqa=p.enable_gqa, dtype=p.dtype
+    )
+    qr, kr, vr = (_leaf(data[n], torch.float64) for n in "qkv")
+    out_r, lse_r = reference_attention(
+        qr, kr, vr, truth_mod.fn, mask_mod, scale=scale, enable_gqa=p.enable_gqa
+    )
+
+    check = ThreeWay(p.dtype, atol=atol, context=context or repr(problem))
+    check("out", out, out_e, out_r)
+    check("lse", lse, lse_e, lse_r)
+    if grad:
+        names = ["dq", "dk", "dv", *(f"d_param{i}" for i in range(len(kernel_mod.params)))]
+        cot_names = ("dout", "dlse") if lse_grad else ("dout",)
+        runs = []
+        for (o, l), inputs in (
+            ((out, lse), [q, k, v, *kernel_mod.params]),
+            ((out_e, lse_e), [qe, ke, ve, *eager_mod.params]),
+            ((out_r, lse_r), [qr, kr, vr, *truth_mod.params]),
+        ):
+            outputs = (o, l) if lse_grad else (o,)
+            cot = tuple(data[n].to(x.dtype) for n, x in zip(cot_names, outputs))
+            runs.append(_grads(outputs, cot, inputs))
+        for name, g_kernel, g_eager, g_truth in zip(names, *runs):
+            assert not torch.isnan(g_kernel).any(), f"NaN in the kernel's {name}"
+            check(name, g_kernel, g_eager, g_truth)
+    check.assert_ok()
+    return check
+
+
+def finite_or_neg_inf(t: torch.Tensor) -> bool:
+    """True when every entry is finite or -inf (what an LSE may hold)."""
+    return bool(torch.all(torch.isfinite(t) | (t == -math.inf)))
