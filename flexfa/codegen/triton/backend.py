@@ -480,13 +480,28 @@ def _resolve_configs(
 ) -> cfgs.KernelConfigs:
     """Defaults (or tuned results), then options pinned in kernel_options, fitted to the BlockMask."""
     base = tuned or cfgs.default_configs(capability, spec.head_dim, spec.dtype)
-    if tuned is None and capability is not None and _scatters_full_tiles(spec):
-        base = cfgs.for_tile_scatter(base)
+    if tuned is None and capability is not None:
+        loads, scatters = _pairwise_loads(spec), _scatters_full_tiles(spec)
+        if loads or scatters:
+            base = cfgs.for_pairwise_access(base, loads=loads, scatters=scatters)
     chosen = cfgs.apply_options(base, spec.kernel_options)
     fitted = cfgs.fit_to_block_mask(chosen, spec.block_mask.block_size)
     if fitted is None:  # supports() has checked this; keep the invariant explicit
         raise ValueError("kernel tile sizes cannot fit the BlockMask's block size")
     return fitted
+
+
+def _pairwise_loads(spec: AttentionSpec) -> bool:
+    """True if a mod loads per pair (a captured-tensor index depends on q_idx and kv_idx)."""
+    from flexfa.ir.nodes import Op, toposort
+
+    for mod in (spec.score_mod, spec.mask):
+        if mod is None:
+            continue
+        for node in toposort([mod.output]):
+            if node.op is Op.LOAD and emit.index_axes(node) == {"q_idx", "kv_idx"}:
+                return True
+    return False
 
 
 def _scatters_full_tiles(spec: AttentionSpec) -> bool:

@@ -78,18 +78,27 @@ def default_configs(
     return KernelConfigs(FwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 32, 32, 4, 1))
 
 
-def for_tile_scatter(configs: KernelConfigs) -> KernelConfigs:
-    """Smaller dQ tiles when the dQ kernel scatters a captured gradient for every pair.
+def for_pairwise_access(configs: KernelConfigs, *, loads: bool, scatters: bool) -> KernelConfigs:
+    """Smaller tiles and pipelines for mods that read or scatter per (q, kv) pair.
 
-    # Note [Shared memory of per-pair scatters]
-    # A per-pair atomic scatter (e.g. the gradient of bias[h, q_idx - kv_idx]) makes Triton stage the
-    # [block_m2, block_n2] contribution tile through shared memory on top of the pipelined K/V
-    # buffers; at (128, 64) with 3 stages and D=128 that measured 233 KB on an H100 (Triton 3.6),
-    # over its 227 KB limit. Halving block_m2 halves the staging.
+    # Note [Shared memory of per-pair loads and scatters]
+    # A load whose index depends on both q_idx and kv_idx (bias[h, q_idx - kv_idx + c]) is a
+    # [rows, cols] gather inside the KV loop, and Triton's software pipeliner stages it through
+    # shared memory once per stage, on top of the K/V buffers. Measured on an H100 with Triton 3.6:
+    # the forward at D=64 with 128 x 128 tiles and 3 stages needed 245 KB (the limit is 227 KB),
+    # and the dQ kernel's per-pair gradient scatter at 128 x 64, 3 stages, D=128 needed 233 KB.
+    # So with per-pair loads the KV tile is at most 64 columns and at most 2 stages deep, and with
+    # per-pair scatters the dQ tile is at most 64 rows.
     """
-    return dataclasses.replace(
-        configs, bwd=dataclasses.replace(configs.bwd, block_m2=min(configs.bwd.block_m2, 64))
-    )
+    fwd, bwd = configs.fwd, configs.bwd
+    if loads:
+        fwd = dataclasses.replace(
+            fwd, block_n=min(fwd.block_n, 64), num_stages=min(fwd.num_stages, 2)
+        )
+        bwd = dataclasses.replace(bwd, num_stages=min(bwd.num_stages, 2))
+    if scatters:
+        bwd = dataclasses.replace(bwd, block_m2=min(bwd.block_m2, 64))
+    return KernelConfigs(fwd, bwd)
 
 
 def apply_options(base: KernelConfigs, options: Mapping[str, Any]) -> KernelConfigs:
