@@ -1,0 +1,27 @@
+"""The runnable examples in docstrings stay runnable."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = [
+    "flexfa.ir.printer",
+    "flexfa.ir.simplify",
+    "flexfa.ir.evaluate",
+    "flexfa.ir.autodiff",
+    "flexfa.frontend.trace",
+    "flexfa.reference",
+    "flexfa.mods",
+    "flexfa.masks",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    module = importlib.import_module(name)
+    result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE, verbose=False)
+    assert result.failed == 0, f"{result.failed} of {result.attempted} examples failed in {name}"
+    assert result.attempted > 0
