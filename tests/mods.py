@@ -6,10 +6,10 @@ the captured tensors whose gradients a test should check. Entries are factories 
 tensors are sized by the call (document ids by the sequence lengths, bias tables by the number of
 heads).
 
-Every mod here is ordinary torch code: called on broadcast int32 index tensors it computes the
-same thing eagerly (that is how `flexfa.reference` uses it), and flexfa traces it unchanged. The
-mods are finite with finite derivatives at every pair, masked or not, so that comparisons in low
-precision measure rounding only.
+Every mod here is ordinary torch code: called eagerly on one pair at a time (flexfa.reference does
+that with vmap, Note [Mods are applied per pair]) it computes what flexfa computes from its trace.
+The mods are finite with finite derivatives at every pair, masked or not, so that comparisons in
+low precision measure rounding only.
 
     import pytest
     from tests.mods import SCORE_MODS, Shape

@@ -22,6 +22,7 @@ from tests.mods import BuiltMod, ModEntry, Shape
 from tests.tolerance import ThreeWay
 
 ModMaker = Callable[[torch.dtype], BuiltMod]
+_NO_SCORE_MOD = BuiltMod(fn=None)  # type: ignore[arg-type]  # score_mod=None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +116,16 @@ def check_attention(
     """
     p = problem
     data = make_inputs(p, seed)
-    kernel_mod = score_mod(p.param_dtype) if score_mod is not None else BuiltMod(None)  # type: ignore[arg-type]
-    eager_mod = score_mod(p.param_dtype) if score_mod is not None else BuiltMod(None)  # type: ignore[arg-type]
-    truth_mod = score_mod(torch.float64) if score_mod is not None else BuiltMod(None)  # type: ignore[arg-type]
+
+    def build(dtype: torch.dtype) -> BuiltMod:
+        # Each run gets its own copies of the learnable tensors (same values).
+        return score_mod(dtype) if score_mod is not None else _NO_SCORE_MOD
+
+    kernel_mod, eager_mod, truth_mod = (
+        build(p.param_dtype),
+        build(p.param_dtype),
+        build(torch.float64),
+    )
 
     if block_size is not None:
         block_mask: object = flexfa.create_block_mask(

@@ -9,7 +9,7 @@ import torch
 
 import flexfa
 from tests.e2e.harness import Problem, check_attention, finite_or_neg_inf, make_inputs, maker
-from tests.mods import mask_mod, score_mod
+from tests.mods import BuiltMod, mask_mod, score_mod
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -85,13 +85,7 @@ def test_rows_emptied_by_the_score_mod():
     dq, dk, dv = torch.autograd.grad((out, lse), (q, k, v), (data["dout"], data["dlse"]))
     assert (dq[:, :, odd] == 0).all()
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
-    check_attention(p, score_mod=lambda dtype: _built(odd_rows_vanish))
-
-
-def _built(fn):
-    from tests.mods import BuiltMod
-
-    return BuiltMod(fn)
+    check_attention(p, score_mod=lambda dtype: BuiltMod(odd_rows_vanish))
 
 
 def test_key_padding_with_empty_batch_elements_matches_reference():

@@ -10,7 +10,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from tests.e2e.harness import check_attention, maker
-from tests.e2e.randmods import random_mask_mods, random_score_mods
+from tests.e2e.randmods import RandomMod, random_mask_mods, random_score_mods
 from tests.e2e.strategies import BLOCK_SIZES, STEP_COLUMNS, examples, problems
 from tests.mods import MASK_MODS, SCORE_MODS
 
@@ -50,12 +50,10 @@ def test_catalog_mods(problem, score, mask, block_size, step, seed, lse_grad):
 def test_random_score_mods(problem, mod, mask, block_size, step, seed):
     note(f"{problem} block={block_size} step={step}\n{mod}\nmask: {mask}")
     mask_fn = None
-    if mask is not None:
-        mask_fn = (
-            mask.build(problem.shape).fn
-            if hasattr(mask, "source")
-            else mask.build(problem.shape, seed=seed).fn
-        )
+    if isinstance(mask, RandomMod):
+        mask_fn = mask.build(problem.shape).fn
+    elif mask is not None:
+        mask_fn = mask.build(problem.shape, seed=seed).fn
     check_attention(
         problem,
         score_mod=lambda dtype: mod.build(problem.shape, dtype),

@@ -94,7 +94,7 @@ SCORE_CASES = [
     case(lambda s, b, h, q, k: s.double() + q.float() + k.long(), Op.CAST, id="cast_methods"),
     case(lambda s, b, h, q, k: s + (s * 3).int(), Op.CAST, id="int_method"),
     case(lambda s, b, h, q, k: s + (q > k).to(torch.float32), Op.CAST, id="bool_to_float"),
-    case(lambda s, b, h, q, k: s + (q - k).to(s), Op.CAST, id="to_other"),
+    case(lambda s, b, h, q, k: s + (s * 4).to(q), Op.CAST, id="to_other_truncates"),
     case(lambda s, b, h, q, k: s + q.type_as(s), Op.CAST, id="type_as"),
     # Method spellings and torch function spellings.
     case(lambda s, b, h, q, k: s.exp() + s.abs() + s.sigmoid(), Op.EXP, id="methods"),
