@@ -58,6 +58,10 @@ class Config:
             )
         )
 
+    def cache_dir_token(self) -> str | None:
+        """What decides `cache_dir`, without building a path (cheap enough for every call)."""
+        return self._overrides.get("cache_dir") or os.environ.get("FLEXFA_CACHE_DIR")
+
     @property
     def verify_ir(self) -> bool:
         return self._get(

@@ -30,14 +30,19 @@ class HeadsDependentMod:
     def __init__(self, name: str, make: Callable[[int], ScoreMod], doc: str) -> None:
         self.__name__ = name
         self._make = make
+        self._bound: dict[int, ScoreMod] = {}  # one function per head count, so traces are reused
         self.__doc__ = doc
 
     def bind(self, num_heads: int) -> ScoreMod:
+        bound = self._bound.get(num_heads)
+        if bound is not None:
+            return bound
         if not isinstance(num_heads, int) or num_heads < 1:
             raise ValueError(
                 f"{self.__name__}: num_heads must be a positive int, got {num_heads!r}"
             )
-        return self._make(num_heads)
+        bound = self._bound[num_heads] = self._make(num_heads)
+        return bound
 
     def __call__(self, score, b, h, q_idx, kv_idx):
         raise TypeError(

@@ -212,6 +212,11 @@ def create_block_mask(
 ) -> BlockMask:
     """Classify every tile of `mask_mod` as full, partial or empty, without a dense mask.
 
+    Tiles are decided by analysis of the mask's IR where it can prove them (every mask of
+    q_idx - kv_idx, prefixes, chunks, documents, and their combinations), then by witnesses,
+    refinement and exact evaluation of what is left (see the module docstring and
+    docs/blockmask.md). Memory is O(B * H * tiles); the dense mask is never built.
+
     Args:
         mask_mod: `mask_mod(b, h, q_idx, kv_idx) -> bool` (True = attend).
         B, H: batch size and number of query heads, or None when the mask does not depend on them
@@ -243,6 +248,8 @@ def create_block_mask(
     if device is None:
         device = traced.tensors[0].device if traced.tensors else torch.device("cpu")
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # "cuda" means the current GPU
     for cap, t in zip(traced.captures, traced.tensors):
         if t.device != device:
             raise ValueError(

@@ -31,6 +31,7 @@ from typing import Any, Literal
 import torch
 
 from flexfa.config import config
+from flexfa.frontend.cache import traces
 from flexfa.frontend.proxy import IndexedTensor, ModTraceError, Proxy, lift
 from flexfa.ir import build as irb
 from flexfa.ir.autodiff import ScoreModGradient, score_mod_gradient
@@ -319,7 +320,20 @@ def _check_arity(fn: Callable[..., Any], kind: ModKind, params: tuple[str, ...])
 def trace(
     fn: Callable[..., Any], kind: ModKind, *, device: torch.device | None = None
 ) -> TracedMod:
-    """Trace `fn` as a score_mod or a mask_mod. Raises ModTraceError (a TypeError) with a fix."""
+    """Trace `fn` as a score_mod or a mask_mod. Raises ModTraceError (a TypeError) with a fix.
+
+    Traces are reused while nothing the mod can reach has changed (Note [Trace cache]).
+    """
+    key = traces.key(fn, kind, device)
+    hit = traces.get(key)
+    if hit is not None:
+        return hit
+    traced = _trace(fn, kind, device)
+    traces.put(key, traced)
+    return traced
+
+
+def _trace(fn: Callable[..., Any], kind: ModKind, device: torch.device | None) -> TracedMod:
     params = SCORE_MOD_PARAMS if kind == "score_mod" else MASK_MOD_PARAMS
     _check_arity(fn, kind, params)
     tracer = Tracer(kind, fn, device)

@@ -64,7 +64,7 @@ def bwd_candidates(
     return [BwdConfig(32, 64, 64, 32, 4, 2), BwdConfig(64, 64, 64, 64, 8, 1)]
 
 
-def _bucket(n: int) -> int:
+def bucket(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
@@ -80,8 +80,8 @@ def tuning_key(module_digest: str, device: torch.device, spec) -> str:
         spec.group_size,
         spec.block_mask.block_size.q,
         spec.block_mask.block_size.kv,
-        _bucket(spec.len_q),
-        _bucket(spec.len_kv),
+        bucket(spec.len_q),
+        bucket(spec.len_kv),
     )
     return hashlib.sha256(repr(fields).encode()).hexdigest()[:32]
 

@@ -109,7 +109,7 @@ class KernelLaunch:
         return [n for n in self.kernel.arg_names if n not in self.constexprs]
 
 
-_launched: set[str] = set()
+_launched: set[tuple] = set()
 
 
 def launch(kl: KernelLaunch) -> None:
@@ -117,7 +117,15 @@ def launch(kl: KernelLaunch) -> None:
     run = lambda: kl.kernel[kl.grid](
         *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
     )
-    if kl.key.digest in _launched:
+    fast_key = (
+        id(kl.kernel),
+        kl.num_warps,
+        kl.num_stages,
+        kl.key.dtype,
+        kl.key.config,
+        kl.key.constexprs,
+    )
+    if fast_key in _launched:
         run()
         return
     start = time.perf_counter()
@@ -125,7 +133,7 @@ def launch(kl: KernelLaunch) -> None:
     if torch.cuda.is_available() and not config.triton_interpret:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
-    _launched.add(kl.key.digest)
+    _launched.add(fast_key)
     level = (
         logging.INFO if (elapsed > _COMPILE_LOG_SECONDS or config.log_compiles) else logging.DEBUG
     )
@@ -148,6 +156,90 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
     return args
 
 
+@dataclasses.dataclass
+class _Plan:
+    """What a call's kernels depend on beyond its tensors: the module, configs and options.
+
+    Built once per distinct (mods, dtypes, head dims, block size, length bucket, options, device)
+    and reused, so a call pays a dictionary lookup instead of key hashing, config resolution and a
+    tuning-file read. Mutable only through autotuning, which replaces `configs`.
+    """
+
+    key: ModuleKey
+    module: types.ModuleType
+    capability: tuple[int, int] | None
+    tuning_key: str | None
+    configs: cfgs.KernelConfigs
+    tune: bool
+    fused_dq: bool
+    precision: str
+    head_dim_pad: int
+    head_dim_v_pad: int
+
+
+_plans: dict[tuple, _Plan] = {}
+
+
+def _plan_key(spec: AttentionSpec, mask, capability, force_compiled: bool) -> tuple | None:
+    try:
+        options = tuple(sorted(spec.kernel_options.items()))
+        hash(options)
+    except TypeError:
+        return None  # unhashable option values: build the plan every call
+    bs = spec.block_mask.block_size
+    return (
+        spec.score_mod.key if spec.score_mod is not None else None,
+        mask.key if mask is not None else None,
+        spec.score_grad_slots,
+        force_compiled,
+        capability,
+        str(spec.device),
+        spec.dtype,
+        spec.head_dim,
+        spec.head_dim_v,
+        spec.group_size,
+        bs.q,
+        bs.kv,
+        autotune.bucket(spec.len_q),
+        autotune.bucket(spec.len_kv),
+        options,
+        torch.backends.cuda.matmul.allow_tf32,
+        config.autotune,
+        config.cache_dir_token(),
+    )
+
+
+def _make_plan(spec: AttentionSpec, mask, capability, force_compiled: bool) -> _Plan:
+    key, module = load_module(
+        spec.score_mod, mask, spec.score_grad_slots, force_compiled=force_compiled
+    )
+    tuning_key = (
+        autotune.tuning_key(key.digest, spec.device, spec) if spec.device.type == "cuda" else None
+    )
+    tuned = cfgs.load_tuned(tuning_key) if tuning_key else None
+    mode = spec.kernel_options.get("bwd_dq", "separate")
+    if mode not in ("separate", "fused"):
+        raise ValueError(f"kernel_options['bwd_dq'] must be 'separate' or 'fused', got {mode!r}")
+    pinned = set(spec.kernel_options) & (set(cfgs.FWD_OPTIONS) | set(cfgs.BWD_OPTIONS))
+    wants = spec.kernel_options.get("autotune", config.autotune)
+    if spec.dtype == torch.float32:
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        precision = "ieee"
+    return _Plan(
+        key=key,
+        module=module,
+        capability=capability,
+        tuning_key=tuning_key,
+        configs=_resolve_configs(spec, capability, tuned),
+        tune=bool(wants) and tuned is None and not pinned and tuning_key is not None,
+        fused_dq=mode == "fused",
+        precision=precision,
+        head_dim_pad=_next_pow2(spec.head_dim),
+        head_dim_v_pad=_next_pow2(spec.head_dim_v),
+    )
+
+
 class Launcher:
     """One call's kernels, configs and launch arguments (shared by forward and backward)."""
 
@@ -163,35 +255,42 @@ class Launcher:
         self.spec = spec
         self.mask = None if spec.mask.is_trivially_true else spec.mask
         self.grad_slots = spec.score_grad_slots
-        self.key, self.module = load_module(
-            spec.score_mod, self.mask, self.grad_slots, force_compiled=force_compiled
-        )
         if capability is None:
             capability = cfgs.device_capability(spec.device)
-        self.capability = capability
-        self.tuning_key = (
-            autotune.tuning_key(self.key.digest, spec.device, spec)
-            if spec.device.type == "cuda"
-            else None
-        )
-        tuned = cfgs.load_tuned(self.tuning_key) if self.tuning_key else None
-        self.configs = _resolve_configs(spec, capability, tuned)
-        pinned = set(spec.kernel_options) & (set(cfgs.FWD_OPTIONS) | set(cfgs.BWD_OPTIONS))
-        wants = spec.kernel_options.get("autotune", config.autotune)
-        mode = spec.kernel_options.get("bwd_dq", "separate")
-        if mode not in ("separate", "fused"):
-            raise ValueError(
-                f"kernel_options['bwd_dq'] must be 'separate' or 'fused', got {mode!r}"
-            )
-        self.fused_dq = mode == "fused"
-        self.tune = bool(wants) and tuned is None and not pinned and self.tuning_key is not None
+        plan_key = _plan_key(spec, self.mask, capability, force_compiled)
+        plan = _plans.get(plan_key) if plan_key is not None else None
+        if plan is None:
+            plan = _make_plan(spec, self.mask, capability, force_compiled)
+            if plan_key is not None:
+                _plans[plan_key] = plan
+        self.plan = plan
         self.flags = _list_flags(spec.block_mask)
-        if spec.dtype == torch.float32:
-            self.precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-        else:
-            self.precision = "ieee"
-        self.head_dim_pad = _next_pow2(spec.head_dim)
-        self.head_dim_v_pad = _next_pow2(spec.head_dim_v)
+
+    # The plan's fields, read as the launcher's own (autotuning writes through to the plan).
+    key = property(lambda self: self.plan.key)
+    module = property(lambda self: self.plan.module)
+    capability = property(lambda self: self.plan.capability)
+    tuning_key = property(lambda self: self.plan.tuning_key)
+    fused_dq = property(lambda self: self.plan.fused_dq)
+    precision = property(lambda self: self.plan.precision)
+    head_dim_pad = property(lambda self: self.plan.head_dim_pad)
+    head_dim_v_pad = property(lambda self: self.plan.head_dim_v_pad)
+
+    @property
+    def configs(self) -> cfgs.KernelConfigs:
+        return self.plan.configs
+
+    @configs.setter
+    def configs(self, value: cfgs.KernelConfigs) -> None:
+        self.plan.configs = value
+
+    @property
+    def tune(self) -> bool:
+        return self.plan.tune
+
+    @tune.setter
+    def tune(self, value: bool) -> None:
+        self.plan.tune = value
 
     def _kernel_key(self, kernel: str, cfg, **constexprs) -> KernelKey:
         spec = self.spec

@@ -158,13 +158,23 @@ def _tuning_path():
     return config.cache_dir / "triton" / "tuning.json"
 
 
+_tuned_files: dict[str, dict] = {}  # path -> contents, read once per process
+
+
+def _read_tuning(path) -> dict:
+    cached = _tuned_files.get(str(path))
+    if cached is None:
+        try:
+            cached = json.loads(path.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        _tuned_files[str(path)] = cached
+    return cached
+
+
 def load_tuned(key: str) -> KernelConfigs | None:
-    path = _tuning_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    entry = data.get(key)
+    """Tuned configs stored under `key`, from FLEXFA_CACHE_DIR/triton/tuning.json (read once)."""
+    entry = _read_tuning(_tuning_path()).get(key)
     if entry is None:
         return None
     try:
@@ -181,6 +191,7 @@ def store_tuned(key: str, configs: KernelConfigs) -> None:
     except (OSError, ValueError):
         data = {}
     data[key] = {"fwd": dataclasses.asdict(configs.fwd), "bwd": dataclasses.asdict(configs.bwd)}
+    _tuned_files[str(path)] = data
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
     os.replace(tmp, path)

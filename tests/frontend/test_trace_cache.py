@@ -1,0 +1,90 @@
+"""The trace cache (Note [Trace cache] in flexfa/frontend/cache.py): reuse exactly when safe."""
+
+from __future__ import annotations
+
+import torch
+
+import flexfa
+from flexfa.frontend import trace_mask_mod, trace_score_mod
+from flexfa.frontend.cache import Uncacheable, fingerprint, traces
+
+
+def test_same_factory_and_values_share_a_trace():
+    a = trace_score_mod(flexfa.mods.softcap(30.0))
+    b = trace_score_mod(flexfa.mods.softcap(30.0))
+    assert a is b
+    c = trace_score_mod(flexfa.mods.softcap(20.0))
+    assert c is not a and c.output is not a.output
+
+
+def test_a_new_captured_tensor_is_a_new_trace_bound_to_it():
+    t1 = torch.randn(4)
+    t2 = torch.randn(4)
+
+    def make(t):
+        def bias(score, b, h, q_idx, kv_idx):
+            return score + t[h]
+
+        return bias
+
+    first = trace_score_mod(make(t1))
+    assert trace_score_mod(make(t1)) is first
+    second = trace_score_mod(make(t2))
+    assert second.tensors[0] is t2 and first.tensors[0] is t1
+    # Same IR, so the same compiled kernels.
+    assert second.key == first.key
+
+
+def test_in_place_updates_keep_the_trace():
+    ids = torch.zeros(64, dtype=torch.int32)
+    mask = flexfa.masks.document(ids)
+    first = trace_mask_mod(mask)
+    ids[10:] = 1
+    assert trace_mask_mod(mask) is first  # values are bound at run time, not traced
+
+
+def test_rebinding_a_global_retraces():
+    namespace: dict = {"torch": torch, "SCALE": 2.0}
+    exec(
+        "def scaled(score, b, h, q_idx, kv_idx):\n    return score * SCALE\n",
+        namespace,
+    )
+    scaled = namespace["scaled"]
+    first = trace_score_mod(scaled)
+    namespace["SCALE"] = 3.0
+    second = trace_score_mod(scaled)
+    assert second is not first
+    assert "3.0" in second.format() and "2.0" in first.format()
+
+
+def test_unknown_objects_make_a_mod_uncacheable_but_still_traceable():
+    class Holder:
+        def __init__(self):
+            self.scale = 2.0
+
+        def __eq__(self, other):  # an object the fingerprint cannot see into
+            return False
+
+        __hash__ = None
+
+    holder = [Holder()]
+
+    def uses_object(score, b, h, q_idx, kv_idx):
+        return score * holder[0].scale
+
+    try:
+        fingerprint(uses_object)
+        raise AssertionError("expected Uncacheable")
+    except Uncacheable:
+        pass
+    before = traces.uncacheable
+    first = trace_score_mod(uses_object)
+    holder[0].scale = 5.0
+    second = trace_score_mod(uses_object)
+    assert "5.0" in second.format() and "2.0" in first.format()
+    assert traces.uncacheable == before + 2
+
+
+def test_heads_bound_mods_are_reused():
+    assert flexfa.mods.alibi.bind(8) is flexfa.mods.alibi.bind(8)
+    assert trace_score_mod(flexfa.mods.alibi.bind(8)) is trace_score_mod(flexfa.mods.alibi.bind(8))
