@@ -209,7 +209,9 @@ def _plan_key(spec: AttentionSpec, mask, capability, force_compiled: bool) -> tu
     )
 
 
-def _make_plan(spec: AttentionSpec, mask, capability, force_compiled: bool) -> _Plan:
+def _make_plan(
+    spec: AttentionSpec, mask, capability, force_compiled: bool, has_partial: bool
+) -> _Plan:
     key, module = load_module(
         spec.score_mod, mask, spec.score_grad_slots, force_compiled=force_compiled
     )
@@ -231,7 +233,7 @@ def _make_plan(spec: AttentionSpec, mask, capability, force_compiled: bool) -> _
         module=module,
         capability=capability,
         tuning_key=tuning_key,
-        configs=_resolve_configs(spec, capability, tuned),
+        configs=_resolve_configs(spec, capability, tuned, has_partial),
         tune=bool(wants) and tuned is None and not pinned and tuning_key is not None,
         fused_dq=mode == "fused",
         precision=precision,
@@ -257,14 +259,17 @@ class Launcher:
         self.grad_slots = spec.score_grad_slots
         if capability is None:
             capability = cfgs.device_capability(spec.device)
+        self.flags = _list_flags(spec.block_mask)
+        has_partial = self.flags.has_kv_partial
         plan_key = _plan_key(spec, self.mask, capability, force_compiled)
+        if plan_key is not None:
+            plan_key = (*plan_key, has_partial)
         plan = _plans.get(plan_key) if plan_key is not None else None
         if plan is None:
-            plan = _make_plan(spec, self.mask, capability, force_compiled)
+            plan = _make_plan(spec, self.mask, capability, force_compiled, has_partial)
             if plan_key is not None:
                 _plans[plan_key] = plan
         self.plan = plan
-        self.flags = _list_flags(spec.block_mask)
 
     # The plan's fields, read as the launcher's own (autotuning writes through to the plan).
     key = property(lambda self: self.plan.key)
@@ -575,10 +580,15 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 def _resolve_configs(
-    spec: AttentionSpec, capability: tuple[int, int] | None, tuned: cfgs.KernelConfigs | None = None
+    spec: AttentionSpec,
+    capability: tuple[int, int] | None,
+    tuned: cfgs.KernelConfigs | None = None,
+    has_partial: bool = True,
 ) -> cfgs.KernelConfigs:
     """Defaults (or tuned results), then options pinned in kernel_options, fitted to the BlockMask."""
-    base = tuned or cfgs.default_configs(capability, spec.head_dim, spec.dtype)
+    base = tuned or cfgs.default_configs(
+        capability, spec.head_dim, spec.dtype, has_partial=has_partial
+    )
     if tuned is None and capability is not None:
         loads, scatters = _pairwise_loads(spec), _scatters_full_tiles(spec)
         if loads or scatters:
