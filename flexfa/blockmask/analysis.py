@@ -108,10 +108,12 @@ class Affine:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Analysis:
-    """Per tile (bool [B, H, nq, nkv]): proven full, proven empty, proven partial.
+    """Per rectangle (bool tensors of the TileSet's shape; [B, H, nq, nkv] for a whole grid):
+    proven full, proven empty, proven partial.
 
-    `may_read_out_of_bounds` marks tiles where some load may read out of bounds at an in-range
-    pair; they are never proven full or partial here, and must be decided by exact evaluation.
+    `may_read_out_of_bounds` marks rectangles where some load may read out of bounds at an
+    in-range pair; they are never proven full or partial here, and must be decided by exact
+    evaluation.
     """
 
     full: torch.Tensor
@@ -227,7 +229,8 @@ class _RangeTable:
 
     def _stack(self, levels: list[torch.Tensor]) -> torch.Tensor:
         first = levels[0]
-        out = first.new_zeros(first.shape[0], len(levels) * self.width)  # [G, levels * width]
+        # [G, levels * width]; the tail of each level past its length is never read.
+        out = first.new_empty(first.shape[0], len(levels) * self.width)
         for k, level in enumerate(levels):
             out[:, k * self.width : k * self.width + level.shape[-1]] = level
         return out
@@ -277,7 +280,7 @@ class _Line:
             "kv_idx": kv,
         }
         self.evaluator = Evaluator(env, mask.tensors, device=dev)
-        self._tables: dict[tuple[int, str], _RangeTable] = {}
+        self._tables: dict[tuple[int, str], _RangeTable | torch.Tensor] = {}
         self._keep: list[Node] = []
 
     def positions(self, ts: TileSet) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -291,27 +294,26 @@ class _Line:
             return ts.q_lo - ts.kv_hi + off, ts.q_hi - ts.kv_lo + off
         return None
 
+    def _group(self, ts: TileSet, gb: int, gh: int) -> torch.Tensor:
+        """Row of a [gb * gh, U] table for each rectangle's (b, h)."""
+        b = ts.b if gb > 1 else torch.zeros_like(ts.b)
+        h = ts.h if gh > 1 else torch.zeros_like(ts.h)
+        return b * gh + h
+
     def ranges(
         self,
         key: tuple[int, str],
         for_min: torch.Tensor,
         for_max: torch.Tensor,
         ts: TileSet,
-        hi_shift: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-rectangle min and max of values [gb, gh, U or 1] (broadcast to `ts.shape`).
-
-        `hi_shift=-1` queries [lo, hi - 1] instead (clamped to [lo, lo] for one-value ranges)."""
+        """Per-rectangle min and max of values [gb, gh, U or 1] (broadcast to `ts.shape`)."""
         gb, gh, gu = for_min.shape
-        group = (ts.b if gb > 1 else torch.zeros_like(ts.b)) * gh + (
-            ts.h if gh > 1 else torch.zeros_like(ts.h)
-        )
+        group = self._group(ts, gb, gh)
         pos = self.positions(ts)
         if pos is None or gu == 1:
             return for_min.reshape(-1)[group], for_max.reshape(-1)[group]
         lo, hi = pos
-        if hi_shift:
-            hi = torch.maximum(hi + hi_shift, lo)
         table = self._tables.get(key)
         if table is None or (1 << table.levels) <= int((hi - lo).max()) + 1:
             # Tiles span at most max_len values; other rectangles may be longer.
@@ -319,6 +321,30 @@ class _Line:
             table = _RangeTable(for_min.reshape(gb * gh, gu), for_max.reshape(gb * gh, gu), max_len)
             self._tables[key] = table
         return table.query(group, lo, hi)
+
+    def counts(
+        self, key: tuple[int, str], flags: torch.Tensor, ts: TileSet, hi_shift: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per rectangle: how many of the 0/1 `flags` [gb, gh, U or 1] along its range are 1,
+        and the range's length (prefix sums: O(U) to build, O(1) per rectangle).
+
+        `hi_shift=-1` counts over [lo, hi - 1] instead (empty for one-value ranges)."""
+        gb, gh, gu = flags.shape
+        group = self._group(ts, gb, gh)
+        pos = self.positions(ts)
+        if pos is None or gu == 1:
+            return flags.reshape(-1)[group].to(torch.int64), torch.ones_like(group)
+        lo, hi = pos
+        hi = hi + hi_shift
+        prefix = self._tables.get(key)
+        if prefix is None:
+            rows = flags.reshape(gb * gh, gu)
+            zero = torch.zeros(gb * gh, 1, dtype=torch.int64, device=flags.device)
+            prefix = torch.cat([zero, torch.cumsum(rows, dim=1)], dim=1)
+            self._tables[key] = prefix
+        base = group * (gu + 1)
+        count = prefix.take(base + hi + 1) - prefix.take(base + lo)
+        return count, hi - lo + 1
 
     def value(self, node: Node) -> torch.Tensor:
         self._keep.append(node)
@@ -328,9 +354,8 @@ class _Line:
         value = self.value(node)
         key = id(node)
         if node.dtype.is_bool:
-            v = value.to(torch.int8)
-            mn, mx = self.ranges((key, "v"), v, v, ts)
-            may_true, may_false = mx == 1, mn == 0
+            true, length = self.counts((key, "v"), value.to(torch.int64), ts)
+            may_true, may_false = true > 0, true < length
             return Truth(may_true, may_false, may_true & may_false)
         if node.dtype.is_int:
             mn, mx = self.ranges((key, "v"), value, value, ts)
@@ -340,12 +365,11 @@ class _Line:
         lo_src = torch.where(isnan, torch.inf, value)
         hi_src = torch.where(isnan, -torch.inf, value)
         mn, mx = self.ranges((key, "v"), lo_src, hi_src, ts)
-        flags = isnan.to(torch.int8)
-        _, nan = self.ranges((key, "nan"), flags, flags, ts)
+        nans, _ = self.counts((key, "nan"), isnan.to(torch.int64), ts)
         all_nan = mn > mx
         lo = torch.where(all_nan, -torch.inf, mn.to(torch.float64))
         hi = torch.where(all_nan, torch.inf, mx.to(torch.float64))
-        return Interval(lo, hi, nan.to(torch.bool), tight=True)
+        return Interval(lo, hi, nans > 0, tight=True)
 
     def _steps(self, key: int, value: torch.Tensor, ts: TileSet) -> torch.Tensor:
         """Per rectangle: do consecutive values along the line differ by at most 1? Then the
@@ -355,12 +379,11 @@ class _Line:
         if pos is None or gu == 1:
             return torch.ones((), dtype=torch.bool, device=value.device)
         v = value.to(torch.int64)
-        jump = torch.zeros(value.shape, dtype=torch.int8, device=value.device)
-        jump[..., :-1] = ((v[..., 1:] - v[..., :-1]).abs() > 1).to(torch.int8)
-        lo, hi = pos
+        jump = torch.zeros(value.shape, dtype=torch.int64, device=value.device)
+        jump[..., :-1] = ((v[..., 1:] - v[..., :-1]).abs() > 1).to(torch.int64)
         # Steps inside [lo, hi] are jump[lo .. hi - 1]; a one-value range has none.
-        _, any_jump = self.ranges((key, "steps"), jump, jump, ts, hi_shift=-1)
-        return (hi == lo) | (any_jump == 0)
+        jumps, _ = self.counts((key, "steps"), jump, ts, hi_shift=-1)
+        return jumps == 0
 
     def out_of_bounds(self, ts: TileSet) -> torch.Tensor | None:
         """Per rectangle: did a load evaluated on this line read out of bounds at an in-range
@@ -368,9 +391,8 @@ class _Line:
         oob = self.evaluator.out_of_bounds
         if oob is None:
             return None
-        flags = _as3d(oob).to(torch.int8)
-        _, mx = self.ranges((id(self), "oob"), flags, flags, ts)
-        return mx.to(torch.bool)
+        bad, _ = self.counts((id(self), "oob"), _as3d(oob).to(torch.int64), ts)
+        return bad > 0
 
 
 def _as3d(value: torch.Tensor) -> torch.Tensor:

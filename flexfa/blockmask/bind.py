@@ -104,6 +104,14 @@ def _check_given(
         raise ValueError(
             f"block_mask has {bm.heads} heads; expected 1 (broadcast) or {H} (query heads)"
         )
+    # A size of 1 broadcasts only when the mask does not depend on that index: otherwise the
+    # tiles of batch element (head) 0 would stand for all of them.
+    for dim, stored, wanted, var in (("B", bm.batch, B, "b"), ("H", bm.heads, H, "h")):
+        if stored == 1 and wanted > 1 and var in bm.mask.variables:
+            raise ValueError(
+                f"block_mask was built for {dim}=1, but its mask_mod {bm.mask.name!r} reads {var!r} "
+                f"and the inputs have {dim}={wanted}; build it with {dim}={wanted}"
+            )
     for cap, t in zip(bm.mask.captures, bm.mask.tensors):
         if t.device != device:
             raise ValueError(

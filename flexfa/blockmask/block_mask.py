@@ -104,21 +104,19 @@ class BlockList:
     def from_dense(selected: torch.Tensor) -> BlockList:
         """The lists of a bool tensor [B, H, rows, cols] (True = listed), ascending.
 
-        Entries past a row's count are 0 or the unlisted columns (unspecified, but in range).
+        Entries past a row's count are 0 (unspecified, but in range). O(B * H * rows * cols).
         """
-        selected = selected.contiguous()
-        count = selected.sum(-1, dtype=torch.int32)
-        if int(count.sum()) * 16 < selected.numel():
-            # Sparse: write each listed column at its rank within its row (O(listed)).
-            index = torch.zeros(selected.shape, dtype=torch.int32, device=selected.device)
-            nz = selected.nonzero()
-            rows = nz[:, :3].unbind(1)
-            rank = torch.cumsum(selected, -1, dtype=torch.int32) - 1
-            index[(*rows, rank[(*rows, nz[:, 3])].long())] = nz[:, 3].to(torch.int32)
-            return BlockList(count.contiguous(), index)
-        # Dense: a stable descending sort of the 0/1 flags puts the listed columns first, in order.
-        index = torch.sort(selected.to(torch.int8), dim=-1, descending=True, stable=True).indices
-        return BlockList(count.contiguous(), index.to(torch.int32).contiguous())
+        cols = selected.shape[-1]
+        rank = torch.cumsum(selected, -1, dtype=torch.int32)  # 1 + position among the listed
+        count = rank[..., -1].contiguous()
+        # Each listed column goes to its rank - 1; the others to a spare column, dropped after.
+        pos = torch.where(selected, rank - 1, cols).long()
+        index = torch.zeros(
+            *selected.shape[:-1], cols + 1, dtype=torch.int32, device=selected.device
+        )
+        ids = torch.arange(cols, dtype=torch.int32, device=selected.device).expand(selected.shape)
+        index.scatter_(-1, pos, ids)
+        return BlockList(count, index[..., :cols].contiguous())
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -86,6 +86,16 @@ def test_given_block_mask_is_checked() -> None:
         _resolve(42)
 
 
+def test_size_one_block_mask_of_a_mask_reading_b_does_not_broadcast() -> None:
+    docs = torch.zeros(2, 128, dtype=torch.int32)
+    bm = flexfa.create_block_mask(fm.document(docs), 1, None, 128, 128)
+    assert _resolve(bm, B=1, Lq=128, Lkv=128) is bm
+    with pytest.raises(ValueError, match="built for B=1, but its mask_mod 'document' reads 'b'"):
+        _resolve(bm, B=2, Lq=128, Lkv=128)
+    causal = flexfa.create_block_mask(fm.causal, 1, 1, 128, 128)
+    assert _resolve(causal, B=2, H=4, Lq=128, Lkv=128) is causal
+
+
 def test_cache_is_bounded() -> None:
     for w in range(bind._CACHE_SIZE + 10):
         _resolve(fm.sliding_window(w + 1), Lq=16, Lkv=16)
