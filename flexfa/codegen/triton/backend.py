@@ -350,6 +350,20 @@ class Launcher:
             INPUT_PRECISION=self.precision,
         )
 
+    def _kv_side_constexprs(self, block_m: int, block_n: int) -> dict[str, Any]:
+        """Constexprs of a kernel that owns q tiles and walks the kv-side lists (forward, dQ)."""
+        spec = self.spec
+        return dict(
+            self._shape_constexprs(),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            # Loops walk whole KV blocks, so columns are in range only if blocks divide KV_LEN.
+            EVEN_M=spec.len_q % block_m == 0,
+            EVEN_N=spec.len_kv % spec.block_mask.block_size.kv == 0,
+            HAS_PARTIAL=self.flags.has_kv_partial,
+            HAS_FULL=self.flags.has_kv_full,
+        )
+
     def forward_launch(
         self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None
     ) -> KernelLaunch:
@@ -357,16 +371,7 @@ class Launcher:
         bm = spec.block_mask
         cfg = cfg or self.configs.fwd
         Lq, Lkv = spec.len_q, spec.len_kv
-        constexprs = dict(
-            self._shape_constexprs(),
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            # Loops walk whole KV blocks, so columns are in range only if blocks divide KV_LEN.
-            EVEN_M=Lq % cfg.block_m == 0,
-            EVEN_N=Lkv % bm.block_size.kv == 0,
-            HAS_PARTIAL=self.flags.has_kv_partial,
-            HAS_FULL=self.flags.has_kv_full,
-        )
+        constexprs = self._kv_side_constexprs(cfg.block_m, cfg.block_n)
         args = [
             q, k, v, out, lse,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
@@ -436,14 +441,7 @@ class Launcher:
             *mod_args, *grads,
         ]  # fmt: skip
         dq_constexprs = dict(
-            self._shape_constexprs(),
-            BLOCK_M=cfg.block_m2,
-            BLOCK_N=cfg.block_n2,
-            EVEN_M=Lq % cfg.block_m2 == 0,
-            EVEN_N=Lkv % bm.block_size.kv == 0,
-            HAS_PARTIAL=self.flags.has_kv_partial,
-            HAS_FULL=self.flags.has_kv_full,
-            CAPTURE_MODE=capture_mode,
+            self._kv_side_constexprs(cfg.block_m2, cfg.block_n2), CAPTURE_MODE=capture_mode
         )
         # Every captured tensor needing a gradient has a buffer (the kernel's signature has one
         # pointer per such capture); CAPTURE_MODE=0 compiles the scatter out.
