@@ -22,7 +22,8 @@ per batch element, document lengths uniform in [128, 2048]); B = 2; H = 16 or No
 
 On a CPU shared with other work, pass `--threads 1`: torch's multi-threaded ops then do not wait on
 a core that another process holds. The table is printed as markdown; with $OUT set, raw results go
-to $OUT/blockmask_<device>.json.
+to $OUT/blockmask_<device>.json. `--reuse earlier.json --methods flexfa` re-measures flexfa only and
+takes the other methods' results from the earlier run.
 """
 
 from __future__ import annotations
@@ -39,6 +40,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+# Measure the flexfa of this checkout, whatever else is installed.
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 
 MASKS = ("causal", "sliding_window", "prefix_lm", "document")
 METHODS = ("flexfa", "torch_eager", "torch_compiled")
@@ -249,6 +254,18 @@ def _run(cfg: dict, timeout: float, mem_limit: int) -> dict:
     return {"status": "oom" if oom else "error", "returncode": proc.returncode, "stderr": err}
 
 
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "describe", "--always", "--dirty"],
+            capture_output=True,
+            text=True,
+        )
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
 def _cpu_name() -> str:
     for line in Path("/proc/cpuinfo").read_text().splitlines():
         if line.startswith("model name"):
@@ -303,6 +320,11 @@ def main() -> None:
         "--memory-fraction", type=float, default=0.85, help="of available memory a CPU run may use"
     )
     p.add_argument(
+        "--reuse",
+        default=None,
+        help="a JSON file of an earlier run: its results fill the methods not run now",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -315,6 +337,8 @@ def main() -> None:
 
     import torch
 
+    import flexfa
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     timeout = args.timeout or 300.0
     load_at_start = os.getloadavg()
@@ -326,6 +350,9 @@ def main() -> None:
     methods = args.methods.split(",")
 
     results: list[dict] = []
+    if args.reuse:
+        earlier = json.loads(Path(args.reuse).read_text())["results"]
+        results = [r for r in earlier if r["method"] not in methods and r["device"] == device]
     given_up: dict[tuple, str] = {}  # (method, mask, heads) -> why larger N are not tried
     for mask in masks:
         for heads in heads_list:
@@ -398,6 +425,8 @@ def main() -> None:
             "torch": torch.__version__,
             "cpu_count": os.cpu_count(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "flexfa": str(Path(flexfa.__file__).parent),
+            "flexfa_commit": _git_commit(),
             "B": B,
             "block": BLOCK,
             "load_average_at_start": load_at_start,

@@ -300,6 +300,25 @@ class _Line:
         h = ts.h if gh > 1 else torch.zeros_like(ts.h)
         return b * gh + h
 
+    def _blocks(self, ts: TileSet, values: torch.Tensor, pad: str) -> torch.Tensor | None:
+        """For the tiles of a whole grid and a Q or K line: the values cut into the grid's
+        blocks, [gb, gh, blocks, block size], the last block padded (`pad`: "edge" repeats the
+        last value, "zero" adds zeros). None when the rectangles are not the grid's blocks."""
+        grid = ts.grid
+        if grid is None or self.sig not in (Sig.Q, Sig.K) or values.shape[-1] == 1:
+            return None
+        size = grid.block_size.q if self.sig is Sig.Q else grid.block_size.kv
+        n = -(-values.shape[-1] // size)
+        extra = n * size - values.shape[-1]
+        if extra:
+            tail = values[..., -1:] if pad == "edge" else torch.zeros_like(values[..., -1:])
+            values = torch.cat([values, tail.expand(*values.shape[:-1], extra)], dim=-1)
+        return values.view(*values.shape[:-1], n, size)
+
+    def _place(self, per_block: torch.Tensor) -> torch.Tensor:
+        """[gb, gh, blocks] -> [gb, gh, nq, 1] (Q line) or [gb, gh, 1, nkv] (K line)."""
+        return per_block.unsqueeze(-1) if self.sig is Sig.Q else per_block.unsqueeze(-2)
+
     def ranges(
         self,
         key: tuple[int, str],
@@ -309,6 +328,11 @@ class _Line:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-rectangle min and max of values [gb, gh, U or 1] (broadcast to `ts.shape`)."""
         gb, gh, gu = for_min.shape
+        lo_blocks = self._blocks(ts, for_min, "edge")
+        if lo_blocks is not None:
+            hi_blocks = self._blocks(ts, for_max, "edge")
+            assert hi_blocks is not None
+            return self._place(lo_blocks.amin(-1)), self._place(hi_blocks.amax(-1))
         group = self._group(ts, gb, gh)
         pos = self.positions(ts)
         if pos is None or gu == 1:
@@ -330,6 +354,12 @@ class _Line:
 
         `hi_shift=-1` counts over [lo, hi - 1] instead (empty for one-value ranges)."""
         gb, gh, gu = flags.shape
+        blocks = self._blocks(ts, flags, "zero")
+        if blocks is not None:
+            if hi_shift:
+                blocks = blocks[..., :hi_shift]  # the last position of each block is excluded
+            lo, hi = self.positions(ts)  # type: ignore[misc]
+            return self._place(blocks.sum(-1)), hi - lo + 1 + hi_shift
         group = self._group(ts, gb, gh)
         pos = self.positions(ts)
         if pos is None or gu == 1:
@@ -591,6 +621,8 @@ class Analyzer:
 
     def run(self, ts: TileSet) -> Analysis:
         """Proven full / empty / partial, and may-read-out-of-bounds, per rectangle of `ts`."""
+        if ts.grid is not None and ts.grid != self.grid:
+            raise ValueError("a TileSet of another grid than the analyzer's")
         st = self.static
         root = self.mask.output
         device = self.grid.device

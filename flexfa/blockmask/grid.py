@@ -109,7 +109,9 @@ class TileSet:
     """Rectangles of pairs the analysis bounds: per rectangle its b, h and in-range q_idx and kv_idx
     intervals, as int64 tensors that broadcast to `shape` (so a whole grid costs O(nq + nkv)).
 
-    Every rectangle is non-empty (`q_lo <= q_hi`, `kv_lo <= kv_hi`).
+    Every rectangle is non-empty (`q_lo <= q_hi`, `kv_lo <= kv_hi`). `grid` is set when the set
+    is exactly the tiles of that grid, in its layout (which lets ranges along q_idx or kv_idx be
+    computed block by block).
     """
 
     b: torch.Tensor
@@ -119,6 +121,7 @@ class TileSet:
     kv_lo: torch.Tensor
     kv_hi: torch.Tensor
     shape: tuple[int, ...]
+    grid: TileGrid | None = None
 
     @staticmethod
     def of_grid(grid: TileGrid) -> TileSet:
@@ -134,6 +137,7 @@ class TileSet:
             kv_lo=kv_lo,
             kv_hi=kv_hi,
             shape=grid.shape,
+            grid=grid,
         )
 
     @staticmethod
