@@ -108,10 +108,8 @@ def from_kv_blocks(
     states = partial_dense.to(torch.int8) * int(TileState.PARTIAL)
     if full is not None:
         full_dense = _dense(full, nkv, "full_kv").to(partial_dense.device)
-        shape = torch.broadcast_shapes(states.shape, full_dense.shape)
-        states = torch.where(
-            full_dense.expand(shape), int(TileState.FULL), states.expand(shape)
-        ).to(torch.int8)
+        full_dense, states = torch.broadcast_tensors(full_dense, states)
+        states = torch.where(full_dense, int(TileState.FULL), states).to(torch.int8)
     if isinstance(mask_mod, TracedMod):
         traced = mask_mod
     else:

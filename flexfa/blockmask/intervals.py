@@ -210,8 +210,7 @@ def _corners(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """min and max of fn over the four corners, and whether some corner was NaN."""
     vals = [fn(x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
-    shape = torch.broadcast_shapes(*(v.shape for v in vals))
-    stacked = torch.stack([v.expand(shape) for v in vals])
+    stacked = torch.stack(torch.broadcast_tensors(*vals))
     isnan = torch.isnan(stacked)
     any_nan = isnan.any(0)
     if nan_to is not None:
@@ -298,8 +297,7 @@ def floordiv(a: Interval, b: Interval, dtype: DType) -> Interval:
             # An unbounded numerator stays unbounded, with the sign of x / y.
             sign = torch.sign(x) * torch.sign(y)
             vals.append(torch.where(torch.isinf(x), sign * _INF, exact))
-    shape = torch.broadcast_shapes(*(v.shape for v in vals))
-    stacked = torch.stack([v.expand(shape) for v in vals])
+    stacked = torch.stack(torch.broadcast_tensors(*vals))
     lo = torch.where(ok, stacked.amin(0), -_INF)
     hi = torch.where(ok, stacked.amax(0), _INF)
     return int_result(lo, hi, dtype)

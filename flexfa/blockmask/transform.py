@@ -180,8 +180,8 @@ def combine(a: BlockMask, b: BlockMask, how: Literal["and", "or"]) -> BlockMask:
     mask = trace_mask_mod(combinator(a.mask.fn, b.mask.fn))
     device = mask.tensors[0].device if mask.tensors else a.device
     sa, sb = a.tile_states().to(device), b.tile_states().to(device)
-    shape = torch.broadcast_shapes(sa.shape, sb.shape)
-    sa, sb = sa.expand(shape), sb.expand(shape)
+    sa, sb = torch.broadcast_tensors(sa, sb)  # (torch.broadcast_shapes imports sympy)
+    shape = sa.shape
     full, empty, partial = int(TileState.FULL), int(TileState.EMPTY), int(TileState.PARTIAL)
     if how == "and":
         states = torch.where((sa == empty) | (sb == empty), empty, partial)

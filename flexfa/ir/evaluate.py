@@ -147,7 +147,7 @@ class Evaluator:
     def _load(self, cap: Capture, tensor: torch.Tensor, idx: list[torch.Tensor]) -> torch.Tensor:
         if not idx:
             return tensor.to(self.compute_dtype(cap.dtype))
-        shape = torch.broadcast_shapes(*(i.shape for i in idx))
+        shape = torch.broadcast_tensors(*idx)[0].shape  # broadcast_shapes would import sympy
         valid = torch.ones(shape, dtype=torch.bool, device=tensor.device)
         clamped = []
         for dim, i in enumerate(idx):
