@@ -270,7 +270,7 @@ def _scatter_capture_grads(
         indices = [
             ev(node).long().clamp(0, buf.shape[dim] - 1) for dim, node in enumerate(lg.indices)
         ]
-        index_shape = torch.broadcast_shapes(*(i.shape for i in indices))
+        index_shape = torch.broadcast_tensors(*indices)[0].shape  # broadcast_shapes imports sympy
         index_shape = (1,) * (contribution.ndim - len(index_shape)) + tuple(index_shape)
         constant_dims = [
             d for d, n in enumerate(index_shape) if n == 1 and contribution.shape[d] > 1

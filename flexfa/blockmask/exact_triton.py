@@ -109,7 +109,9 @@ def _render(mask: TracedMod) -> str:
     fn = emit.emit_mod(mask, f"mask_mod_{mask.name}")
     names = [f"mm_{p}" for p in fn.params]
     prelude = (
-        module._environment().get_template("prelude.py.jinja").render(flexfa_version=__version__)
+        module.jinja_environment()
+        .get_template("prelude.py.jinja")
+        .render(flexfa_version=__version__)
     )
     kernel = _KERNEL.format(
         mask_fn=fn.name,
@@ -134,11 +136,11 @@ def load_kernel(mask: TracedMod):
             directory = config.cache_dir / "blockmask" / digest[:24]
             path = directory / "kernels.py"
             if not path.exists():
-                module._atomic_write(path, _render(mask))
-                module._atomic_write(
+                module.atomic_write(path, _render(mask))
+                module.atomic_write(
                     directory / "key.json", json.dumps(dataclasses.asdict(key), indent=1) + "\n"
                 )
-            mod = module._import(path, f"flexfa_blockmask_{digest[:24]}")
+            mod = module.import_file(path, f"flexfa_blockmask_{digest[:24]}")
             _modules[digest] = mod
     return mod.flexfa_classify_tiles
 

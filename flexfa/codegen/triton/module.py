@@ -58,7 +58,7 @@ _lock = threading.Lock()
 
 
 @functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
+def jinja_environment() -> jinja2.Environment:
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
@@ -160,7 +160,7 @@ def template_params(
 def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]) -> str:
     """The full source of the module for these mods: prelude, mod functions, kernels."""
     params = template_params(score, mask, grad_slots)
-    env = _environment()
+    env = jinja_environment()
     flexfa_v, _, _ = _versions()
     parts = [env.get_template("prelude.py.jinja").render(flexfa_version=flexfa_v)]
     for src in (params.score_mod, params.score_mod_grad, params.mask_mod):
@@ -176,7 +176,7 @@ def module_dir(key: ModuleKey) -> Path:
     return config.cache_dir / "triton" / key.digest[:24]
 
 
-def _atomic_write(path: Path, text: str) -> None:
+def atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
@@ -184,7 +184,7 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _import(path: Path, name: str) -> types.ModuleType:
+def import_file(path: Path, name: str) -> types.ModuleType:
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -220,8 +220,8 @@ def load_module(
             stats.disk_hits += 1
         else:
             source = render(score, mask, grad_slots)
-            _atomic_write(path, source)
-            _atomic_write(
+            atomic_write(path, source)
+            atomic_write(
                 directory / "key.json", json.dumps(dataclasses.asdict(key), indent=1) + "\n"
             )
             stats.renders += 1
@@ -229,7 +229,9 @@ def load_module(
         name = f"flexfa_generated_{digest[:24]}" + (
             "" if interpreted else "_jit" if force_compiled else ""
         )
-        module = _import_without_interpreter(path, name) if force_compiled else _import(path, name)
+        module = (
+            _import_without_interpreter(path, name) if force_compiled else import_file(path, name)
+        )
         _modules[cache_id] = module
         return key, module
 
@@ -239,7 +241,7 @@ def _import_without_interpreter(path: Path, name: str) -> types.ModuleType:
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
-        return _import(path, name)
+        return import_file(path, name)
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
