@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import time
-import types
 import weakref
 from typing import Any
 
@@ -19,10 +17,11 @@ import torch
 
 from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
-from flexfa.codegen.triton import autotune, emit
+from flexfa.codegen.triton import autotune
 from flexfa.codegen.triton import configs as cfgs
-from flexfa.codegen.triton.module import load_module
-from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey, ModuleKey
+from flexfa.codegen.triton.launch import KernelLaunch, launch
+from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
+from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 from flexfa.spec import AttentionSpec
@@ -32,10 +31,6 @@ log = logging.getLogger("flexfa")
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 _COMPILE_LOG_SECONDS = 1.0
-
-
-def _next_pow2(n: int) -> int:
-    return max(16, 1 << (n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,64 +82,6 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
     return flags
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class KernelLaunch:
-    """One kernel launch as data: which kernel, grid, arguments, constexprs and options.
-
-    `launch()` runs it; `flexfa.codegen.triton.offline.compile_launch` compiles the same launch for
-    a GPU architecture without a GPU (tests and `python -m flexfa export --ptx` use that).
-    """
-
-    name: str
-    kernel: Any
-    grid: tuple[int, int]
-    args: tuple
-    constexprs: dict[str, Any]
-    num_warps: int
-    num_stages: int
-    key: KernelKey
-    label: str
-
-    def arg_names(self) -> list[str]:
-        return [n for n in self.kernel.arg_names if n not in self.constexprs]
-
-
-_launched: set[tuple] = set()
-
-
-def launch(kl: KernelLaunch) -> None:
-    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
-    run = lambda: kl.kernel[kl.grid](
-        *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
-    )
-    fast_key = (
-        id(kl.kernel),
-        kl.num_warps,
-        kl.num_stages,
-        kl.key.dtype,
-        kl.key.config,
-        kl.key.constexprs,
-    )
-    if fast_key in _launched:
-        run()
-        return
-    start = time.perf_counter()
-    run()
-    if torch.cuda.is_available() and not config.triton_interpret:
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - start
-    _launched.add(fast_key)
-    level = (
-        logging.INFO if (elapsed > _COMPILE_LOG_SECONDS or config.log_compiles) else logging.DEBUG
-    )
-    log.log(
-        level,
-        "flexfa: %s kernel ready in %.2f s (compiled or loaded on first use)",
-        kl.label,
-        elapsed,
-    )
-
-
 def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -> list:
     if traced is None:
         return []
@@ -154,92 +91,6 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
         args.extend(t.stride())
         args.extend(t.shape)
     return args
-
-
-@dataclasses.dataclass
-class _Plan:
-    """What a call's kernels depend on beyond its tensors: the module, configs and options.
-
-    Built once per distinct (mods, dtypes, head dims, block size, length bucket, options, device)
-    and reused, so a call pays a dictionary lookup instead of key hashing, config resolution and a
-    tuning-file read. Mutable only through autotuning, which replaces `configs`.
-    """
-
-    key: ModuleKey
-    module: types.ModuleType
-    capability: tuple[int, int] | None
-    tuning_key: str | None
-    configs: cfgs.KernelConfigs
-    tune: bool
-    fused_dq: bool
-    precision: str
-    head_dim_pad: int
-    head_dim_v_pad: int
-
-
-_plans: dict[tuple, _Plan] = {}
-
-
-def _plan_key(spec: AttentionSpec, mask, capability, force_compiled: bool) -> tuple | None:
-    try:
-        options = tuple(sorted(spec.kernel_options.items()))
-        hash(options)
-    except TypeError:
-        return None  # unhashable option values: build the plan every call
-    bs = spec.block_mask.block_size
-    return (
-        spec.score_mod.key if spec.score_mod is not None else None,
-        mask.key if mask is not None else None,
-        spec.score_grad_slots,
-        force_compiled,
-        capability,
-        str(spec.device),
-        spec.dtype,
-        spec.head_dim,
-        spec.head_dim_v,
-        spec.group_size,
-        bs.q,
-        bs.kv,
-        autotune.bucket(spec.len_q),
-        autotune.bucket(spec.len_kv),
-        options,
-        torch.backends.cuda.matmul.allow_tf32,
-        config.autotune,
-        config.cache_dir_token(),
-    )
-
-
-def _make_plan(
-    spec: AttentionSpec, mask, capability, force_compiled: bool, has_partial: bool
-) -> _Plan:
-    key, module = load_module(
-        spec.score_mod, mask, spec.score_grad_slots, force_compiled=force_compiled
-    )
-    tuning_key = (
-        autotune.tuning_key(key.digest, spec.device, spec) if spec.device.type == "cuda" else None
-    )
-    tuned = cfgs.load_tuned(tuning_key) if tuning_key else None
-    mode = spec.kernel_options.get("bwd_dq", "separate")
-    if mode not in ("separate", "fused"):
-        raise ValueError(f"kernel_options['bwd_dq'] must be 'separate' or 'fused', got {mode!r}")
-    pinned = set(spec.kernel_options) & (set(cfgs.FWD_OPTIONS) | set(cfgs.BWD_OPTIONS))
-    wants = spec.kernel_options.get("autotune", config.autotune)
-    if spec.dtype == torch.float32:
-        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-    else:
-        precision = "ieee"
-    return _Plan(
-        key=key,
-        module=module,
-        capability=capability,
-        tuning_key=tuning_key,
-        configs=_resolve_configs(spec, capability, tuned, has_partial),
-        tune=bool(wants) and tuned is None and not pinned and tuning_key is not None,
-        fused_dq=mode == "fused",
-        precision=precision,
-        head_dim_pad=_next_pow2(spec.head_dim),
-        head_dim_v_pad=_next_pow2(spec.head_dim_v),
-    )
 
 
 class Launcher:
@@ -261,15 +112,15 @@ class Launcher:
             capability = cfgs.device_capability(spec.device)
         self.flags = _list_flags(spec.block_mask)
         has_partial = self.flags.has_kv_partial
-        plan_key = _plan_key(spec, self.mask, capability, force_compiled)
-        if plan_key is not None:
-            plan_key = (*plan_key, has_partial)
-        plan = _plans.get(plan_key) if plan_key is not None else None
-        if plan is None:
-            plan = _make_plan(spec, self.mask, capability, force_compiled, has_partial)
-            if plan_key is not None:
-                _plans[plan_key] = plan
-        self.plan = plan
+        key = plan_key(spec, self.mask, capability, force_compiled)
+        if key is not None:
+            key = (*key, has_partial)
+        found = plans.get(key) if key is not None else None
+        if found is None:
+            found = make_plan(spec, self.mask, capability, force_compiled, has_partial)
+            if key is not None:
+                plans[key] = found
+        self.plan: Plan = found
 
     # The plan's fields, read as the launcher's own (autotuning writes through to the plan).
     key = property(lambda self: self.plan.key)
@@ -577,48 +428,6 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _resolve_configs(
-    spec: AttentionSpec,
-    capability: tuple[int, int] | None,
-    tuned: cfgs.KernelConfigs | None = None,
-    has_partial: bool = True,
-) -> cfgs.KernelConfigs:
-    """Defaults (or tuned results), then options pinned in kernel_options, fitted to the BlockMask."""
-    base = tuned or cfgs.default_configs(
-        capability, spec.head_dim, spec.dtype, has_partial=has_partial
-    )
-    if tuned is None and capability is not None:
-        loads, scatters = _pairwise_loads(spec), _scatters_full_tiles(spec)
-        if loads or scatters:
-            base = cfgs.for_pairwise_access(base, loads=loads, scatters=scatters)
-    chosen = cfgs.apply_options(base, spec.kernel_options)
-    fitted = cfgs.fit_to_block_mask(chosen, spec.block_mask.block_size)
-    if fitted is None:  # supports() has checked this; keep the invariant explicit
-        raise ValueError("kernel tile sizes cannot fit the BlockMask's block size")
-    return fitted
-
-
-def _pairwise_loads(spec: AttentionSpec) -> bool:
-    """True if a mod loads per pair (a captured-tensor index depends on q_idx and kv_idx)."""
-    from flexfa.ir.nodes import Op, toposort
-
-    for mod in (spec.score_mod, spec.mask):
-        if mod is None:
-            continue
-        for node in toposort([mod.output]):
-            if node.op is Op.LOAD and emit.index_axes(node) == {"q_idx", "kv_idx"}:
-                return True
-    return False
-
-
-def _scatters_full_tiles(spec: AttentionSpec) -> bool:
-    """True if a captured gradient is scattered per pair (its index depends on q_idx and kv_idx)."""
-    if spec.score_mod is None or not spec.score_grad_slots:
-        return False
-    grad = spec.score_mod.gradient(spec.score_grad_slots)
-    return any(emit.index_axes(g.load) == {"q_idx", "kv_idx"} for g in grad.loads)
-
-
 class _TritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, launcher: Launcher, q, k, v, *score_tensors):
@@ -687,13 +496,6 @@ class TritonBackend(Backend):
             return _TritonFunction.apply(launcher, q, k, v, *score_tensors)
         with torch.no_grad():
             return launcher.forward(q, k, v, score_tensors)
-
-
-def module_for(
-    score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int] = frozenset()
-) -> tuple[ModuleKey, types.ModuleType]:
-    """The generated module (for export and tests)."""
-    return load_module(score, mask, grad_slots)
 
 
 register(TritonBackend())

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flexfa.codegen.triton.backend import KernelLaunch
+from flexfa.codegen.triton.launch import KernelLaunch
 
 _DTYPES = {
     torch.float16: "fp16",
