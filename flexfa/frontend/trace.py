@@ -65,8 +65,11 @@ class TracedMod:
 
     @functools.cached_property
     def key(self) -> str:
-        """Digest of the IR, the mod's kind and name (names appear in generated source)."""
-        return f"{self.kind}:{self.name}:{self.output.digest}"
+        """Digest of the IR, the mod's kind and name (names appear in generated source), and its
+        captures: they are parameters of generated functions even where simplification removed
+        every use of one."""
+        captures = ",".join(f"{c.name}/{c.dtype}/{c.ndim}" for c in self.captures)
+        return f"{self.kind}:{self.name}:{self.output.digest}:{captures}"
 
     @functools.cached_property
     def variables(self) -> frozenset[str]:

@@ -206,3 +206,17 @@ def test_lambda_and_partial_names():
         return q_idx - kv_idx < w
 
     assert trace_mask_mod(functools.partial(windowed, w=3)).name == "windowed"
+
+
+def test_key_tells_apart_captures_whose_uses_simplified_away() -> None:
+    # `x != x` of an integer simplifies to False, leaving `q_idx <= 9` with a capture it no
+    # longer reads; generated functions still take that capture as parameters, so the key (which
+    # names generated modules) must differ from the plain mask's.
+    docs = torch.zeros(3, 10, dtype=torch.int32)
+    with_capture = flexfa.trace_mask_mod(
+        lambda b, h, q, kv: ((q <= 9) & ((docs[b, q] + 1) != (docs[b, q] + 1))) | (q <= 9)
+    )
+    plain = flexfa.trace_mask_mod(lambda b, h, q, kv: q <= 9)
+    assert with_capture.output is plain.output
+    assert len(with_capture.captures) == 1 and not plain.captures
+    assert with_capture.key != plain.key
