@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 
 import torch
 
@@ -249,6 +250,31 @@ class _RangeTable:
         return mn, mx
 
 
+@functools.lru_cache(maxsize=32)
+def _line_env(sig: Sig, grid: TileGrid) -> tuple[tuple[str, torch.Tensor], ...]:
+    """The values of b, h, q_idx and kv_idx along the line of `sig` (kept: a GPU pays a launch
+    for each of these small tensors)."""
+    dev = grid.device
+    i32 = torch.int32
+    zero = torch.zeros(1, 1, 1, dtype=i32, device=dev)
+    if sig is Sig.Q:
+        q, kv = torch.arange(grid.q_len, dtype=i32, device=dev).view(1, 1, -1), zero
+    elif sig is Sig.K:
+        q, kv = zero, torch.arange(grid.kv_len, dtype=i32, device=dev).view(1, 1, -1)
+    elif sig is Sig.D:
+        # u = q_idx - kv_idx from -(KV_LEN - 1) to Q_LEN - 1, each at one in-range pair.
+        u = torch.arange(-(grid.kv_len - 1), grid.q_len, dtype=i32, device=dev).view(1, 1, -1)
+        q, kv = torch.clamp(u, min=0), torch.clamp(-u, min=0)
+    else:
+        q, kv = zero, zero
+    return (
+        ("b", torch.arange(grid.batch, dtype=i32, device=dev).view(-1, 1, 1)),
+        ("h", torch.arange(grid.heads, dtype=i32, device=dev).view(1, -1, 1)),
+        ("q_idx", q),
+        ("kv_idx", kv),
+    )
+
+
 class _Line:
     """The exact evaluation of the nodes of one signature along their single varying index u
     (Note [Tile analysis]), and per-rectangle ranges of the values."""
@@ -256,29 +282,13 @@ class _Line:
     def __init__(self, sig: Sig, mask: TracedMod, grid: TileGrid) -> None:
         dev = grid.device
         self.sig = sig
-        i32 = torch.int32
-        zero = torch.zeros(1, 1, 1, dtype=i32, device=dev)
-        if sig is Sig.Q:
-            q, kv = torch.arange(grid.q_len, dtype=i32, device=dev).view(1, 1, -1), zero
-            self.max_len = grid.block_size.q
-        elif sig is Sig.K:
-            q, kv = zero, torch.arange(grid.kv_len, dtype=i32, device=dev).view(1, 1, -1)
-            self.max_len = grid.block_size.kv
-        elif sig is Sig.D:
-            # u = q_idx - kv_idx from -(KV_LEN - 1) to Q_LEN - 1, each at one in-range pair.
-            u = torch.arange(-(grid.kv_len - 1), grid.q_len, dtype=i32, device=dev).view(1, 1, -1)
-            q, kv = torch.clamp(u, min=0), torch.clamp(-u, min=0)
-            self.max_len = grid.block_size.q + grid.block_size.kv - 1
-        else:
-            q, kv = zero, zero
-            self.max_len = 1
+        self.max_len = {
+            Sig.Q: grid.block_size.q,
+            Sig.K: grid.block_size.kv,
+            Sig.D: grid.block_size.q + grid.block_size.kv - 1,
+        }.get(sig, 1)
         self.kv_len = grid.kv_len
-        env = {
-            "b": torch.arange(grid.batch, dtype=i32, device=dev).view(-1, 1, 1),
-            "h": torch.arange(grid.heads, dtype=i32, device=dev).view(1, -1, 1),
-            "q_idx": q,
-            "kv_idx": kv,
-        }
+        env = dict(_line_env(sig, grid))
         self.evaluator = Evaluator(env, mask.tensors, device=dev)
         self._tables: dict[tuple[int, str], _RangeTable | torch.Tensor] = {}
         self._keep: list[Node] = []

@@ -124,8 +124,10 @@ class TileSet:
     grid: TileGrid | None = None
 
     @staticmethod
+    @functools.lru_cache(maxsize=32)
     def of_grid(grid: TileGrid) -> TileSet:
-        """Every tile of the grid; shape (batch, heads, q-blocks, kv-blocks)."""
+        """Every tile of the grid; shape (batch, heads, q-blocks, kv-blocks). Kept per grid (a GPU
+        pays a launch for each of its small tensors); the tensors must not be written."""
         dev = grid.device
         q_lo, q_hi = (t.view(1, 1, -1, 1) for t in grid.q_bounds)
         kv_lo, kv_hi = (t.view(1, 1, 1, -1) for t in grid.kv_bounds)

@@ -51,6 +51,7 @@ _REL_TRANSCENDENTAL = 2.0**-16
 _ABS = 1e-37
 _INF = math.inf
 _F64 = torch.float64
+_NARROW_INTS = (torch.int8, torch.uint8, torch.int16, torch.int32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -126,6 +127,10 @@ def from_int_range(
     contiguous: torch.Tensor | None = None,
 ) -> Interval:
     """Bounds from exact integer tensors (e.g. min/max of a captured int64 table)."""
+    if lo.dtype in _NARROW_INTS and hi.dtype in _NARROW_INTS:
+        # Values of at most 32 bits fit both integer types exactly: nothing to normalize (and no
+        # device-to-host check of `int_result`).
+        return Interval(lo.to(_F64), hi.to(_F64), None, tight, contiguous)
     lo_f, hi_f = lo.to(_F64), hi.to(_F64)
     if lo.dtype == torch.int64:
         big = 2**52
