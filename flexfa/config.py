@@ -10,6 +10,7 @@ the environment, or use `config.override(...)`, at any point.
 | FLEXFA_DUMP_IR | a directory: write each traced mod's IR there | unset |
 | FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 0 |
 | FLEXFA_LOG_COMPILES | log every kernel compile at INFO level (long ones are always logged) | 0 |
+| FLEXFA_FUSED_BLOCK_MASK | build block masks with one generated kernel: `auto` (on CUDA), `1` (also on the CPU under TRITON_INTERPRET=1, for tests), `0` (never) | auto |
 """
 
 from __future__ import annotations
@@ -22,11 +23,15 @@ from pathlib import Path
 from typing import Any
 
 
+def _flag_value(value: str) -> bool:
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def _flag(name: str, default: bool) -> bool:
     value = os.environ.get(name)
     if value is None or value == "":
         return default
-    return value.strip().lower() not in ("0", "false", "no", "off")
+    return _flag_value(value)
 
 
 def _user_cache_dir() -> Path:
@@ -81,6 +86,14 @@ class Config:
     @property
     def log_compiles(self) -> bool:
         return self._get("log_compiles", lambda: _flag("FLEXFA_LOG_COMPILES", False))
+
+    @property
+    def fused_block_mask(self) -> str:
+        """ "auto", "on" or "off" (see flexfa/blockmask/fused.py)."""
+        value = self._get("fused_block_mask", lambda: os.environ.get("FLEXFA_FUSED_BLOCK_MASK"))
+        if value is None or str(value).strip().lower() in ("", "auto"):
+            return "auto"
+        return "on" if _flag_value(str(value)) else "off"
 
     @property
     def triton_interpret(self) -> bool:

@@ -24,6 +24,7 @@ from flexfa.blockmask.block_mask import BlockMask, BlockSize, TileState
 from flexfa.blockmask.exact import classify_exact, classify_tiles
 from flexfa.blockmask.grid import TileGrid, TileList, TileSet
 from flexfa.blockmask.witness import prove_partial
+from flexfa.config import config
 from flexfa.frontend.trace import TracedMod, trace_mask_mod
 
 
@@ -189,6 +190,18 @@ def classify(mask: TracedMod, grid: TileGrid, *, analysis: bool = True) -> Class
     return Classification(states, analytic, d.witnessed, d.refined, d.evaluated)
 
 
+def _use_fused(device: torch.device) -> bool:
+    """Whether to try the fused kernel (Note [Fused analysis] in flexfa/blockmask/fused.py)."""
+    mode = config.fused_block_mask
+    if mode == "off":
+        return False
+    if device.type != "cuda" and not (mode == "on" and config.triton_interpret):
+        return False
+    from flexfa.blockmask import fused
+
+    return fused.available()
+
+
 def _check_len(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -265,6 +278,12 @@ def create_block_mask(
     batch = B if (B is not None and "b" in traced.variables) else 1
     heads = H if (H is not None and "h" in traced.variables) else 1
     grid = TileGrid(batch, heads, Q_LEN, KV_LEN, block_size, device)
+    if _use_fused(device):
+        from flexfa.blockmask import fused
+
+        bm = fused.build(traced, grid)
+        if bm is not None:
+            return bm
     states = classify(traced, grid).states
     return BlockMask.from_tile_states(
         states, q_len=Q_LEN, kv_len=KV_LEN, block_size=block_size, mask=traced
