@@ -172,7 +172,13 @@ def worker(cfg: dict) -> dict:
     batch = B if "b" in traced.variables else 1
     grid = TileGrid(batch, 1, n, n, BlockSize(BLOCK, BLOCK), device)
     if method == "flexfa":
+        from flexfa.blockmask import fused
+
+        # Which path built it: the fused kernel (Note [Fused analysis]) or the general tiers.
+        fused_bm = fused.build(traced, grid) if device.type == "cuda" else None
+        out["path"] = "fused" if fused_bm is not None else "general"
         c = classify(traced, grid)
+        out["agrees_with_general_path"] = bool(torch.equal(result.tile_states(), c.states))
         out["tiers"] = {
             "analytic": c.analytic,
             "witnessed": c.witnessed,
@@ -254,6 +260,29 @@ def _run(cfg: dict, timeout: float, mem_limit: int) -> dict:
     return {"status": "oom" if oom else "error", "returncode": proc.returncode, "stderr": err}
 
 
+def _run_here(cfg: dict, timeout: float) -> dict:
+    """One measurement in this process (CUDA): a run slower than `timeout` counts as a timeout
+    for the larger N, but is not interrupted."""
+    import torch
+
+    if cfg["device"] != "cuda":
+        raise SystemExit("--in-process is for CUDA runs (CPU runs need their own process)")
+    if cfg["method"] == "torch_compiled":
+        torch._dynamo.reset()  # compile afresh, as the subprocess would (no recompile limit)
+    start = time.perf_counter()
+    try:
+        out = worker(cfg)
+    except torch.OutOfMemoryError as e:
+        out = {"status": "oom", "stderr": str(e)[-500:]}
+    finally:
+        torch.cuda.empty_cache()
+    wall = time.perf_counter() - start
+    out["wall_s"] = wall
+    if out["status"] == "ok" and wall > timeout:
+        out = {"status": "timeout", "limit_s": timeout, "measured": out}
+    return out
+
+
 def _git_commit() -> str:
     try:
         out = subprocess.run(
@@ -325,6 +354,12 @@ def main() -> None:
         help="a JSON file of an earlier run: its results fill the methods not run now",
     )
     p.add_argument(
+        "--in-process",
+        action="store_true",
+        help="CUDA only: run every measurement in this process (torch.compile's caches are reset "
+        "before each torch_compiled one; no time limit is enforced, and out-of-memory is caught)",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -376,6 +411,8 @@ def main() -> None:
                             "status": "skipped",
                             "reason": f"needs ~{estimate / 2**30:.0f} GiB (limit {mem_limit / 2**30:.0f} GiB)",
                         }
+                    elif args.in_process:
+                        r = _run_here(cfg, timeout)
                     else:
                         r = _run(cfg, timeout, mem_limit)
                     if r["status"] in ("timeout", "oom") and key not in given_up:
