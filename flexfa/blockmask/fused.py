@@ -47,7 +47,6 @@ import types
 
 import torch
 
-from flexfa.blockmask.analysis import Sig, _Line
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.blockmask.fused_emit import render
 from flexfa.blockmask.fused_plan import (
@@ -62,12 +61,15 @@ from flexfa.blockmask.fused_plan import (
 )
 from flexfa.blockmask.grid import TileGrid, TileSet
 from flexfa.blockmask.intervals import Interval, Truth
+from flexfa.blockmask.lines import Sig, _Line
+from flexfa.codegen.triton.launch import run_logged
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 
 log = logging.getLogger("flexfa")
 
 
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
     """Whether Triton can be imported."""
     try:
@@ -239,37 +241,36 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
         hit = _sources[source_key] = (source, hashlib.sha256(source.encode()).hexdigest())
     kernel = _kernel(*hit)
 
-    offsets = [0]
-    for s in sizes:
-        offsets.append(offsets[-1] + s)
-    total = offsets[-1]
+    total = sum(sizes)
     out = torch.zeros(total + 1, dtype=torch.int32, device=grid.device)
     # Lines evaluated in the kernel hold [CHUNK, block] values: fewer tiles per step then.
     kernel_lines = any(isinstance(d, KernelLineInput) for d in descs)
-    chunk_cap = _KLINE_CHUNK_CAP if kernel_lines else _CHUNK_CAP
-    undecided = out[total:]
     bs = grid.block_size
-    kernel[(nq + nkv, P)](
-        out, undecided, grid.q_len, grid.kv_len, nq, nkv, grid.heads,
-        *offsets[:8], *args.values, *_capture_args(mask),
-        BLOCK_Q=bs.q, BLOCK_KV=bs.kv, BQ_P2=_pow2_at_least(bs.q, bs.q),
-        BKV_P2=_pow2_at_least(bs.kv, bs.kv), CHUNK=_pow2_at_least(max(nq, nkv), chunk_cap),
-    )  # fmt: skip
-    if int(undecided.item()) != 0:
+    constexprs = dict(
+        BLOCK_Q=bs.q,
+        BLOCK_KV=bs.kv,
+        BQ_P2=_pow2_at_least(bs.q, bs.q),
+        BKV_P2=_pow2_at_least(bs.kv, bs.kv),
+        CHUNK=_pow2_at_least(max(nq, nkv), _KLINE_CHUNK_CAP if kernel_lines else _CHUNK_CAP),
+    )
+    args_ = (out, grid.q_len, grid.kv_len, nq, nkv, grid.heads, P, *args.values)
+    run_logged(
+        (id(kernel), str(grid.device), *constexprs.values()),
+        f"block lists of {mask.name}",
+        lambda: kernel[(nq + nkv, P)](*args_, *_capture_args(mask), **constexprs),
+    )
+    if int(out[total].item()) != 0:
         log.debug("flexfa: block mask of %s takes the general path: undecided tiles", mask.name)
         return None
     B, H = grid.batch, grid.heads
-
-    def part(k: int, *shape: int) -> torch.Tensor:
-        return out[offsets[k] : offsets[k + 1]].view(B, H, *shape)
-
+    parts = out[:total].split(sizes)
     return BlockMask(
         q_len=grid.q_len,
         kv_len=grid.kv_len,
         block_size=bs,
-        kv_partial=BlockList(part(0, nq), part(4, nq, nkv)),
-        kv_full=BlockList(part(1, nq), part(5, nq, nkv)),
-        q_partial=BlockList(part(2, nkv), part(6, nkv, nq)),
-        q_full=BlockList(part(3, nkv), part(7, nkv, nq)),
+        kv_partial=BlockList(parts[0].view(B, H, nq), parts[4].view(B, H, nq, nkv)),
+        kv_full=BlockList(parts[1].view(B, H, nq), parts[5].view(B, H, nq, nkv)),
+        q_partial=BlockList(parts[2].view(B, H, nkv), parts[6].view(B, H, nkv, nq)),
+        q_full=BlockList(parts[3].view(B, H, nkv), parts[7].view(B, H, nkv, nq)),
         mask=mask,
     )

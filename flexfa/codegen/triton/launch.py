@@ -42,19 +42,9 @@ class KernelLaunch:
 _launched: set[tuple] = set()
 
 
-def launch(kl: KernelLaunch) -> None:
-    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
-    run = lambda: kl.kernel[kl.grid](
-        *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
-    )
-    fast_key = (
-        id(kl.kernel),
-        kl.num_warps,
-        kl.num_stages,
-        kl.key.dtype,
-        kl.key.config,
-        kl.key.constexprs,
-    )
+def run_logged(fast_key: tuple, label: str, run) -> None:
+    """Call `run()` (a kernel launch); the first time for `fast_key`, time it and log it at INFO
+    level if it took long (a compile) or FLEXFA_LOG_COMPILES is set, else at DEBUG level."""
     if fast_key in _launched:
         run()
         return
@@ -70,6 +60,22 @@ def launch(kl: KernelLaunch) -> None:
     log.log(
         level,
         "flexfa: %s kernel ready in %.2f s (compiled or loaded on first use)",
-        kl.label,
+        label,
         elapsed,
     )
+
+
+def launch(kl: KernelLaunch) -> None:
+    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
+    run = lambda: kl.kernel[kl.grid](
+        *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
+    )
+    fast_key = (
+        id(kl.kernel),
+        kl.num_warps,
+        kl.num_stages,
+        kl.key.dtype,
+        kl.key.config,
+        kl.key.constexprs,
+    )
+    run_logged(fast_key, kl.label, run)
