@@ -2,8 +2,8 @@
 
 - `block_mask`: the `BlockMask` structure (block lists, tile states) and its methods.
 - `build`: `create_block_mask` and `classify`, the tiers that decide tiles:
-  `analysis` (with `intervals`) proves tiles from the mask's IR, `witness` proves partial tiles
-  with two pairs, refinement re-analyzes sub-rectangles, `exact` / `exact_triton` evaluate the
+  `analysis` (with `intervals` and `lines`) proves tiles from the mask's IR, `witness` proves
+  partial tiles with two pairs, refinement re-analyzes sub-rectangles, `exact` / `exact_triton` evaluate the
   rest. `grid` holds the tile geometry they share. On CUDA, `fused` (with `fused_plan` and
   `fused_emit`) does the analysis, witnesses and block lists in one generated kernel.
 - `bind`: building and caching a BlockMask when `flexfa.attention` receives a mask_mod.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from flexfa.blockmask.analysis import Sig, _independent
+from flexfa.blockmask.analysis import _independent
 from flexfa.blockmask.fused_plan import (
     How,
     Input,
@@ -16,6 +16,7 @@ from flexfa.blockmask.fused_plan import (
     Step,
     TruthInput,
 )
+from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.dtypes import DType
 from flexfa.ir.nodes import COMPARE_OPS, Node, Op

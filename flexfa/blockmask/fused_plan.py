@@ -8,8 +8,9 @@ import dataclasses
 import enum
 import functools
 
-from flexfa.blockmask.analysis import Sig, _Static
+from flexfa.blockmask.analysis import _Static
 from flexfa.blockmask.grid import TileGrid
+from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.dtypes import DType
 from flexfa.ir.nodes import COMPARE_OPS, Node, Op, toposort
