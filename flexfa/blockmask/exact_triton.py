@@ -162,10 +162,9 @@ def classify_tiles(mask: TracedMod, grid: TileGrid, tiles: TileList) -> torch.Te
         t.to(device=grid.device, dtype=torch.int32) for t in (tiles.b, tiles.h, tiles.i, tiles.j)
     ]
     args += [states, grid.q_len, grid.kv_len]
-    for t in mask.tensors:
-        args.append(t)
-        args.extend(t.stride())
-        args.extend(t.shape)
+    from flexfa.codegen.triton.emit import capture_values
+
+    args += capture_values(mask.tensors)
     bs = grid.block_size
     kernel[(len(tiles),)](
         *args,

@@ -62,6 +62,7 @@ from flexfa.blockmask.fused_plan import (
 from flexfa.blockmask.grid import TileGrid, TileSet
 from flexfa.blockmask.intervals import Interval, Truth
 from flexfa.blockmask.lines import Sig, _Line
+from flexfa.codegen.triton.emit import capture_values
 from flexfa.codegen.triton.launch import run_logged
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
@@ -161,15 +162,6 @@ _CHUNK_CAP = 1024
 _KLINE_CHUNK_CAP = 16
 
 
-def _capture_args(mask: TracedMod) -> list:
-    out: list = []
-    for t in mask.tensors:
-        out.append(t)
-        out.extend(t.stride())
-        out.extend(t.shape)
-    return out
-
-
 def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
     """The BlockMask of `mask` on `grid` from one kernel (Note [Fused analysis]), or None when the
     general path must build it (the reason is logged at DEBUG level)."""
@@ -257,7 +249,7 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
     run_logged(
         (id(kernel), str(grid.device), *constexprs.values()),
         f"block lists of {mask.name}",
-        lambda: kernel[(nq + nkv, P)](*args_, *_capture_args(mask), **constexprs),
+        lambda: kernel[(nq + nkv, P)](*args_, *capture_values(mask.tensors), **constexprs),
     )
     if int(out[total].item()) != 0:
         log.debug("flexfa: block mask of %s takes the general path: undecided tiles", mask.name)

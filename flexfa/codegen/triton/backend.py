@@ -17,7 +17,7 @@ import torch
 
 from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
-from flexfa.codegen.triton import autotune
+from flexfa.codegen.triton import autotune, emit
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton.launch import KernelLaunch, launch
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
@@ -85,12 +85,7 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
 def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -> list:
     if traced is None:
         return []
-    args: list = []
-    for t in tensors:
-        args.append(t)
-        args.extend(t.stride())
-        args.extend(t.shape)
-    return args
+    return emit.capture_values(tensors)
 
 
 class Launcher:

@@ -41,6 +41,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.dtypes import DType
@@ -127,6 +129,16 @@ class ModSource:
 
 def capture_params(traced: TracedMod) -> tuple[CaptureParams, ...]:
     return tuple(CaptureParams(c) for c in traced.captures)
+
+
+def capture_values(tensors: tuple[torch.Tensor, ...]) -> list:
+    """The launch arguments for `CaptureParams.names()` of each capture: pointer, strides, sizes."""
+    out: list = []
+    for t in tensors:
+        out.append(t)
+        out.extend(t.stride())
+        out.extend(t.shape)
+    return out
 
 
 def _literal(node: Node) -> str:
