@@ -84,6 +84,10 @@ class BlockList:
                 f"BlockList shapes must be count [B, H, rows] and index [B, H, rows, cols], got "
                 f"{tuple(self.count.shape)} and {tuple(self.index.shape)}"
             )
+        if self.index.shape[-1] > 1 and self.index.stride(-1) != 1:
+            # Kernels take strides for every dimension but the last of `index` (its entries are
+            # read as a row); a transposed or stepped view from a user is copied once, here.
+            object.__setattr__(self, "index", self.index.contiguous())
 
     def to(self, device: torch.device | str) -> BlockList:
         return BlockList(self.count.to(device), self.index.to(device))

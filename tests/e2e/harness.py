@@ -18,6 +18,7 @@ import torch
 
 import flexfa
 from flexfa.reference import reference_attention
+from tests.e2e.layouts import describe, relayout
 from tests.mods import BuiltMod, ModEntry, Shape
 from tests.tolerance import ThreeWay
 
@@ -107,15 +108,29 @@ def check_attention(
     seed: int = 0,
     atol: float | None = None,
     context: str = "",
+    layouts: Mapping[str, str] | None = None,
 ) -> ThreeWay:
     """Compare `flexfa.attention(backend=...)` with the reference; raises AssertionError on failure.
 
     With `block_size` the kernel gets a BlockMask built by `flexfa.create_block_mask` at that tile
     size, otherwise the bare `mask_mod` (flexfa builds the BlockMask). The reference always uses the
     mask_mod alone: it checks the BlockMask as well as the kernel.
+
+    `layouts` maps any of "q", "k", "v", "dout", "dlse" to a layout of tests/e2e/layouts.py: the
+    inputs reach all three runs through the same differentiable relayout of their leaves, and the
+    upstream gradients are handed to autograd in that layout (so the backward receives it).
     """
     p = problem
     data = make_inputs(p, seed)
+    layouts = dict(layouts or {})
+    for name in ("dout", "dlse"):
+        if name in layouts:
+            data[name] = relayout(data[name], layouts.pop(name))
+    if set(layouts) - {"q", "k", "v"}:
+        raise ValueError(f"layouts for unknown tensors: {sorted(set(layouts) - {'q', 'k', 'v'})}")
+
+    def inputs(leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [relayout(t, layouts.get(n, "contiguous")) for n, t in zip("qkv", leaves)]
 
     def build(dtype: torch.dtype) -> BuiltMod:
         # Each run gets its own copies of the learnable tensors (same values).
@@ -141,10 +156,11 @@ def check_attention(
 
     # Kernel.
     q, k, v = (_leaf(data[n]) for n in "qkv")
+    q_in, k_in, v_in = inputs([q, k, v])
     out, lse = flexfa.attention(
-        q,
-        k,
-        v,
+        q_in,
+        k_in,
+        v_in,
         score_mod=kernel_mod.fn,
         block_mask=block_mask,  # type: ignore[arg-type]
         scale=scale,
@@ -163,13 +179,22 @@ def check_attention(
     # Eager torch in the kernel's dtype, and the float64 truth.
     qe, ke, ve = (_leaf(data[n]) for n in "qkv")
     out_e, lse_e = reference_attention(
-        qe, ke, ve, eager_mod.fn, mask_mod, scale=scale, enable_gqa=p.enable_gqa, dtype=p.dtype
+        *inputs([qe, ke, ve]),
+        eager_mod.fn,
+        mask_mod,
+        scale=scale,
+        enable_gqa=p.enable_gqa,
+        dtype=p.dtype,
     )
     qr, kr, vr = (_leaf(data[n], torch.float64) for n in "qkv")
     out_r, lse_r = reference_attention(
-        qr, kr, vr, truth_mod.fn, mask_mod, scale=scale, enable_gqa=p.enable_gqa
+        *inputs([qr, kr, vr]), truth_mod.fn, mask_mod, scale=scale, enable_gqa=p.enable_gqa
     )
 
+    if layouts or any(not data[n].is_contiguous() for n in ("dout", "dlse")):
+        shown = {n: describe(t) for n, t in zip("qkv", (q_in, k_in, v_in))}
+        shown.update({n: describe(data[n]) for n in ("dout", "dlse")})
+        context = f"{context or repr(problem)} layouts {shown}"
     check = ThreeWay(p.dtype, atol=atol, context=context or repr(problem))
     check("out", out, out_e, out_r)
     check("lse", lse, lse_e, lse_r)

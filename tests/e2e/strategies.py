@@ -8,6 +8,7 @@ import torch
 from hypothesis import strategies as st
 
 from tests.e2e.harness import Problem
+from tests.e2e.layouts import LAYOUTS, TENSORS
 
 
 def examples(n: int) -> int:
@@ -37,3 +38,8 @@ def problems(draw, dtypes=LOW_PRECISION, max_len: int = 40) -> Problem:
         head_dim_v=draw(st.sampled_from([8, 12, 16])),
         dtype=draw(st.sampled_from(dtypes)),
     )
+
+
+def layouts(names: tuple[str, ...] = TENSORS) -> st.SearchStrategy[dict[str, str]]:
+    """A memory layout (tests/e2e/layouts.py) for each of q, k, v and the upstream gradients."""
+    return st.fixed_dictionaries({n: st.sampled_from(LAYOUTS) for n in names})

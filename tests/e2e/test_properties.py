@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tests.e2e.harness import check_attention, maker
 from tests.e2e.randmods import RandomMod, random_mask_mods, random_score_mods
-from tests.e2e.strategies import BLOCK_SIZES, STEP_COLUMNS, examples, problems
+from tests.e2e.strategies import BLOCK_SIZES, STEP_COLUMNS, examples, layouts, problems
 from tests.mods import MASK_MODS, SCORE_MODS
 
 
@@ -24,9 +24,10 @@ from tests.mods import MASK_MODS, SCORE_MODS
     step=STEP_COLUMNS,
     seed=st.integers(0, 2**16),
     lse_grad=st.booleans(),
+    layout=layouts(),
 )
-def test_catalog_mods(problem, score, mask, block_size, step, seed, lse_grad):
-    note(f"{problem} score={score} mask={mask} block={block_size} step={step}")
+def test_catalog_mods(problem, score, mask, block_size, step, seed, lse_grad, layout):
+    note(f"{problem} score={score} mask={mask} block={block_size} step={step} layouts={layout}")
     check_attention(
         problem,
         score_mod=maker(score, problem.shape, seed),
@@ -35,6 +36,7 @@ def test_catalog_mods(problem, score, mask, block_size, step, seed, lse_grad):
         kernel_options={"step_columns": step},
         seed=seed,
         lse_grad=lse_grad,
+        layouts=layout,
     )
 
 
@@ -46,9 +48,10 @@ def test_catalog_mods(problem, score, mask, block_size, step, seed, lse_grad):
     block_size=BLOCK_SIZES,
     step=STEP_COLUMNS,
     seed=st.integers(0, 2**16),
+    layout=layouts(),
 )
-def test_random_score_mods(problem, mod, mask, block_size, step, seed):
-    note(f"{problem} block={block_size} step={step}\n{mod}\nmask: {mask}")
+def test_random_score_mods(problem, mod, mask, block_size, step, seed, layout):
+    note(f"{problem} block={block_size} step={step} layouts={layout}\n{mod}\nmask: {mask}")
     mask_fn = None
     if isinstance(mask, RandomMod):
         mask_fn = mask.build(problem.shape).fn
@@ -61,6 +64,7 @@ def test_random_score_mods(problem, mod, mask, block_size, step, seed):
         block_size=block_size,
         kernel_options={"step_columns": step},
         seed=seed,
+        layouts=layout,
     )
 
 

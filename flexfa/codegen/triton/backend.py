@@ -264,7 +264,8 @@ class Launcher:
         )
         pre_args = [
             out, dout, dlse if dlse is not None else lse, delta,
-            *out.stride(), *dout.stride(), lse.stride(0), lse.stride(1), Lq, Hq,
+            *out.stride(), *dout.stride(), lse.stride(0), lse.stride(1),
+            *(dlse if dlse is not None else lse).stride(), Lq, Hq,
         ]  # fmt: skip
         mod_args = self._mod_args(score_tensors)
         dkdv_constexprs = dict(
@@ -371,6 +372,13 @@ class Launcher:
 
     def backward(self, q, k, v, out, lse, dout, dlse, score_tensors, grad_slots):
         spec = self.spec
+        # Note [Upstream gradient layouts]
+        # autograd hands dO and dLSE over in whatever layout the rest of the graph made: expanded
+        # (stride 0, from `out.sum()` or `lse.sum()`), a strided slice (`torch.cat` of LSEs), permuted
+        # (`lse.transpose(0, 2)`), at a storage offset. dO is read in the inner loops of both backward
+        # kernels, so it must have a unit last stride for vectorized loads; any other dO is copied
+        # once (one pass over B*H*L*Ev elements, small beside the kernels). dLSE is read once, by the
+        # preprocess kernel, so it is read through its own three strides, never copied.
         dout = dout.contiguous() if dout.stride(-1) != 1 else dout
         delta = torch.empty_like(lse)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import flexfa
+from tests.e2e import layouts
 from tests.e2e.harness import Problem, check_attention, maker
 from tests.mods import MASK_MODS, SCORE_MODS, mask_mod, score_mod
 
@@ -32,8 +33,9 @@ MASK_PROBLEM = Problem(
 )
 
 
-@pytest.mark.parametrize("entry", SCORE_MODS, ids=str)
-def test_score_mods(entry):
+@pytest.mark.parametrize("i", range(len(SCORE_MODS)), ids=[e.name for e in SCORE_MODS])
+def test_score_mods(i):
+    entry = SCORE_MODS[i]
     p = SCORE_PROBLEM
     check_attention(
         p,
@@ -43,11 +45,13 @@ def test_score_mods(entry):
         kernel_options=TILES,
         backend="triton",
         context=entry.name,
+        layouts=layouts.cycled(i),
     )
 
 
-@pytest.mark.parametrize("entry", MASK_MODS, ids=str)
-def test_mask_mods(entry):
+@pytest.mark.parametrize("i", range(len(MASK_MODS)), ids=[e.name for e in MASK_MODS])
+def test_mask_mods(i):
+    entry = MASK_MODS[i]
     p = MASK_PROBLEM
     check_attention(
         p,
@@ -57,6 +61,7 @@ def test_mask_mods(entry):
         kernel_options=TILES,
         backend="triton",
         context=entry.name,
+        layouts=layouts.cycled(i + 1),
     )
 
 
