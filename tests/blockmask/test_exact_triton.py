@@ -8,14 +8,11 @@ import torch
 
 import flexfa
 from flexfa import masks as fm
-from flexfa.blockmask import exact
+from flexfa.blockmask import exact, exact_triton
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.build import classify
 from flexfa.blockmask.grid import TileGrid, TileList
 from tests.blockmask import oracle
-
-pytest.importorskip("triton")
-from flexfa.blockmask import exact_triton
 
 
 @pytest.fixture(autouse=True)

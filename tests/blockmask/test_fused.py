@@ -13,13 +13,11 @@ from hypothesis import HealthCheck, given, settings
 
 import flexfa
 from flexfa import masks as fm
+from flexfa.blockmask import fused
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid
 from tests.blockmask import oracle
 from tests.blockmask.strategies import cases, examples
-
-pytest.importorskip("triton")
-from flexfa.blockmask import fused
 
 pytestmark = pytest.mark.skipif(
     torch.cuda.is_available(), reason="the interpreter run is the CPU check"
