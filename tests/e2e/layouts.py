@@ -31,7 +31,7 @@ def relayout(t: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "scalar":
         return t.reshape(-1)[:1].reshape([1] * t.ndim).expand(t.shape)
     if kind == "slice":
-        pad = torch.zeros(*t.shape[:-1], 3, dtype=t.dtype)
+        pad = t.new_zeros(*t.shape[:-1], 3)
         return torch.cat([t, pad], -1)[..., : t.shape[-1]]
     if kind == "step":
         return torch.stack([t, torch.zeros_like(t)], -1)[..., 0]
@@ -39,7 +39,7 @@ def relayout(t: torch.Tensor, kind: str) -> torch.Tensor:
         dims = list(range(t.ndim))[::-1]
         return t.permute(dims).contiguous().permute(dims)
     if kind == "offset":
-        flat = torch.cat([torch.zeros(5, dtype=t.dtype), t.reshape(-1)])
+        flat = torch.cat([t.new_zeros(5), t.reshape(-1)])
         return flat[5:].view(t.shape)
     raise ValueError(f"unknown layout {kind!r}; expected one of {LAYOUTS}")
 

@@ -15,6 +15,8 @@ import flexfa
 from flexfa import masks as fm
 from flexfa import mods as fmods
 from flexfa.reference import reference_attention
+from tests.e2e.layouts import LAYOUTS, relayout
+from tests.e2e.layouts import cycled as layouts_cycled
 from tests.tolerance import ThreeWay
 
 pytestmark = pytest.mark.gpu
@@ -168,3 +170,40 @@ def test_autotune_stores_and_reuses_results(tmp_path) -> None:
     default = flexfa.attention(q, k, v, block_mask=fm.causal, backend="triton")
     torch.testing.assert_close(tuned, default, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(again, default, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("i", range(len(LAYOUTS)), ids=list(LAYOUTS))
+def test_upstream_gradient_and_capture_layouts_on_gpu(i: int) -> None:
+    """dLSE, dO and a captured table in every layout (tests/e2e/layouts.py), bf16, against fp64."""
+    dev = "cuda"
+    torch.manual_seed(i)
+    B, H, L, D = 2, 4, 1000, 64
+    kinds = layouts_cycled(i)
+    q, k, v = (torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    leaf = (0.5 * torch.randn(H, 2 * L + 1, device=dev)).requires_grad_()
+    dout = relayout(torch.randn(B, H, L, D, device=dev, dtype=torch.bfloat16), kinds["dout"])
+    dlse = relayout(torch.randn(B, H, L, device=dev), kinds["dlse"])
+
+    def run(attend, dtype):
+        qq, kk, vv = (t.to(dtype).requires_grad_() for t in (q, k, v))
+        table = relayout(leaf, kinds["q"])
+        out, lse = attend(qq, kk, vv, fmods.relative_bias(table), fm.causal)
+        inputs = (qq, kk, vv, leaf)
+        grads = torch.autograd.grad((out, lse), inputs, (dout.to(out.dtype), dlse.to(lse.dtype)))
+        return out, lse, grads
+
+    def kernel(q, k, v, score_mod, mask_mod):
+        return flexfa.attention(q, k, v, score_mod, mask_mod, return_lse=True, backend="triton")
+
+    def reference(dtype):
+        return lambda q, k, v, s, m: reference_attention(q, k, v, s, m, dtype=dtype)
+
+    got = run(kernel, torch.bfloat16)
+    eager = run(reference(torch.bfloat16), torch.bfloat16)
+    ref = run(reference(torch.float64), torch.float64)
+    check = ThreeWay(torch.bfloat16, context=f"layouts {kinds}")
+    check("out", got[0], eager[0], ref[0])
+    check("lse", got[1], eager[1].float(), ref[1], atol=1e-3)
+    for name, a, e, r in zip(("dq", "dk", "dv", "dtable"), got[2], eager[2], ref[2]):
+        check(name, a, e, r)
+    check.assert_ok()
