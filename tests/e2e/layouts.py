@@ -7,7 +7,8 @@ reference, given the same relayout of its own leaf, sees the same values.
 - `contiguous`: `t` itself.
 - `expanded`: stride 0 along the heads dimension (dim 1): every head holds head 0's values.
 - `scalar`: stride 0 along every dimension, one value everywhere (what `x.sum()` gives as the
-  gradient of `x`).
+  gradient of `x`); the value is `t`'s mean, so that a constant cotangent stays O(1/sqrt(n)) and
+  gradient sums over thousands of pairs stay O(1), where the three-way rule's atol is meant.
 - `slice`: a narrow view of a tensor padded along its last dimension (rows farther apart than their
   length, as in `torch.cat([lse, other], -1)[..., :n]`).
 - `step`: every other element of the last dimension (last stride 2).
@@ -23,13 +24,13 @@ LAYOUTS = ("contiguous", "expanded", "scalar", "slice", "step", "permuted", "off
 
 
 def relayout(t: torch.Tensor, kind: str) -> torch.Tensor:
-    """`t`'s values (for `expanded`/`scalar`: its first head / first element) in layout `kind`."""
+    """`t`'s values (for `expanded`/`scalar`: its first head / its mean) in layout `kind`."""
     if kind == "contiguous":
         return t
     if kind == "expanded":
         return t.narrow(1, 0, 1).expand(t.shape)
     if kind == "scalar":
-        return t.reshape(-1)[:1].reshape([1] * t.ndim).expand(t.shape)
+        return t.mean().reshape([1] * t.ndim).expand(t.shape)
     if kind == "slice":
         pad = t.new_zeros(*t.shape[:-1], 3)
         return torch.cat([t, pad], -1)[..., : t.shape[-1]]
