@@ -11,7 +11,8 @@ each failure as Python source that reproduces it (tests/e2e/fuzzgen.py `Program`
 the report also goes to $OUT/fuzz_gpu.json and the failures to $OUT/fuzz_gpu_failures.py.
 
 `--device cpu` runs the same driver through Triton's interpreter (tiny problems), to try it
-without a GPU.
+without a GPU. `--save FILE` only draws the programs (hypothesis) and writes them as JSON;
+`--load FILE` runs such a file, so the drawing can happen elsewhere.
 """
 
 from __future__ import annotations
@@ -67,6 +68,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=150.0, help="start no program after")
     parser.add_argument("--seed", type=int, default=19)
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--save", help="write the drawn programs to this JSON file and stop")
+    parser.add_argument("--load", help="run the programs of this JSON file (from --save)")
     args = parser.parse_args()
 
     import torch
@@ -75,7 +78,17 @@ def main() -> None:
 
     t0 = time.monotonic()
     strategy = interpreter_programs() if args.device == "cpu" else gpu_programs()
-    progs = draw_programs(args.programs, args.seed, strategy)
+    if args.load:
+        from tests.e2e.fuzzgen import Program
+
+        data = json.loads(Path(args.load).read_text())
+        progs = [Program.from_json(d) for d in data][: args.programs]
+    else:
+        progs = draw_programs(args.programs, args.seed, strategy)
+    if args.save:
+        Path(args.save).write_text(json.dumps([p.to_json() for p in progs]))
+        print(f"{len(progs)} programs written to {args.save}")
+        return
     drawn_s = time.monotonic() - t0
     deadline = time.monotonic() + args.seconds
     results = []

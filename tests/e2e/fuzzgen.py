@@ -384,6 +384,24 @@ class Program:
     def __str__(self) -> str:
         return self.source()
 
+    def to_json(self) -> dict:
+        """A JSON-ready dict (`Program.from_json` reads it back)."""
+        out = dataclasses.asdict(self)
+        out["problem"]["dtype"] = str(self.problem.dtype).removeprefix("torch.")
+        return out
+
+    @staticmethod
+    def from_json(data: dict) -> Program:
+        problem = dict(data["problem"], dtype=getattr(torch, data["problem"]["dtype"]))
+        block = data["block_size"]
+        return Program(
+            **dict(
+                data,
+                problem=Problem(**problem),
+                block_size=tuple(block) if isinstance(block, list) else block,
+            )
+        )
+
 
 def _reads(source: str, name: str) -> bool:
     return f"{name}[" in source or (name == "temp" and "temp" in source)

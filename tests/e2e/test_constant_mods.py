@@ -2,7 +2,8 @@
 block-mask kernels (Note [Constant and index-only results] in flexfa/codegen/triton/emit.py).
 
 Each of these once crashed the Triton backend's code generation (a Python literal returned where
-a typed tile was needed) while the tiled backend was right.
+a typed tile was needed) while the tiled backend was right. The Triton cases run compiled where a
+GPU is present, else through the interpreter.
 """
 
 from __future__ import annotations
@@ -22,20 +23,29 @@ from tests.mods import BuiltMod
 _TAB = torch.tensor([[0.5, -1.0, 0.25], [2.0, 0.0, -0.75]])
 
 
-def _learnable(dtype: torch.dtype) -> torch.Tensor:
-    return _TAB.to(dtype).clone().requires_grad_(True)
+#: Where each backend runs: Triton compiled on a GPU, else through its interpreter.
+_DEVICE = {"tiled": "cpu", "triton": "cuda" if torch.cuda.is_available() else "cpu"}
+
+
+def _options(backend: str) -> dict | None:
+    return TRITON_TILES if backend == "triton" and _DEVICE[backend] == "cpu" else None
 
 
 def _plain(fn):
-    return lambda dtype: BuiltMod(fn)
+    return lambda device: lambda dtype: BuiltMod(fn)
 
 
 def _with_tab(make):
-    def build(dtype: torch.dtype) -> BuiltMod:
-        tab = _learnable(dtype)
-        return BuiltMod(make(tab), (tab,))
+    """A score_mod reading a learnable table (on `device`, in the run's parameter dtype)."""
 
-    return build
+    def on(device: str):
+        def build(dtype: torch.dtype) -> BuiltMod:
+            tab = _TAB.to(device=device, dtype=dtype).requires_grad_(True)
+            return BuiltMod(make(tab), (tab,))
+
+        return build
+
+    return on
 
 
 SCORE_MODS = {
@@ -75,28 +85,28 @@ PROBLEM = Problem(batch=1, heads_q=2, heads_kv=1, len_q=19, len_kv=23, head_dim=
 @pytest.mark.parametrize("backend", ["tiled", "triton"])
 @pytest.mark.parametrize("name", sorted(SCORE_MODS))
 def test_constant_and_index_only_score_mods(name, backend):
-    options = TRITON_TILES if backend == "triton" else None
     check_attention(
         PROBLEM,
-        score_mod=SCORE_MODS[name],
+        score_mod=SCORE_MODS[name](_DEVICE[backend]),
         backend=backend,
-        kernel_options=options,
+        kernel_options=_options(backend),
         context=f"{name} on {backend}",
+        device=_DEVICE[backend],
     )
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton"])
 @pytest.mark.parametrize("name", sorted(MASK_MODS))
 def test_constant_and_index_only_mask_mods(name, backend):
-    options = TRITON_TILES if backend == "triton" else None
     check_attention(
         PROBLEM,
-        score_mod=SCORE_MODS["per row"],
+        score_mod=SCORE_MODS["per row"](_DEVICE[backend]),
         mask_mod=MASK_MODS[name],
         block_size=16,
         backend=backend,
-        kernel_options=options,
+        kernel_options=_options(backend),
         context=f"{name} on {backend}",
+        device=_DEVICE[backend],
     )
 
 
