@@ -60,13 +60,16 @@ def maker(entry: ModEntry | None, shape: Shape, seed: int = 0) -> ModMaker | Non
     return lambda dtype: entry.build(shape, dtype=dtype, seed=seed)
 
 
-def make_inputs(problem: Problem, seed: int) -> dict[str, torch.Tensor]:
-    """q, k, v and the cotangents dout, dlse, in the problem's dtype (values drawn in float64)."""
+def make_inputs(
+    problem: Problem, seed: int, device: torch.device | str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """q, k, v and the cotangents dout, dlse, in the problem's dtype (values drawn in float64 on
+    the CPU, so that every device gets the same values)."""
     g = torch.Generator().manual_seed(seed)
     p = problem
 
     def randn(*size: int) -> torch.Tensor:
-        return torch.randn(size, generator=g, dtype=torch.float64).to(p.dtype)
+        return torch.randn(size, generator=g, dtype=torch.float64).to(device=device, dtype=p.dtype)
 
     return {
         "q": randn(p.batch, p.heads_q, p.len_q, p.head_dim),
@@ -109,19 +112,21 @@ def check_attention(
     atol: float | None = None,
     context: str = "",
     layouts: Mapping[str, str] | None = None,
+    device: torch.device | str = "cpu",
 ) -> ThreeWay:
     """Compare `flexfa.attention(backend=...)` with the reference; raises AssertionError on failure.
 
     With `block_size` the kernel gets a BlockMask built by `flexfa.create_block_mask` at that tile
     size, otherwise the bare `mask_mod` (flexfa builds the BlockMask). The reference always uses the
-    mask_mod alone: it checks the BlockMask as well as the kernel.
+    mask_mod alone: it checks the BlockMask as well as the kernel. Everything runs on `device`
+    (the mods' captured tensors must be there too).
 
     `layouts` maps any of "q", "k", "v", "dout", "dlse" to a layout of tests/e2e/layouts.py: the
     inputs reach all three runs through the same differentiable relayout of their leaves, and the
     upstream gradients are handed to autograd in that layout (so the backward receives it).
     """
     p = problem
-    data = make_inputs(p, seed)
+    data = make_inputs(p, seed, device)
     layouts = dict(layouts or {})
     for name in ("dout", "dlse"):
         if name in layouts:
@@ -149,6 +154,7 @@ def check_attention(
             p.heads_q,
             p.len_q,
             p.len_kv,
+            device=device,
             BLOCK_SIZE=block_size,
         )
     else:

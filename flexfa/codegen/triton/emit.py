@@ -142,20 +142,12 @@ def capture_values(tensors: tuple[torch.Tensor, ...]) -> list:
 
 
 def _literal(node: Node) -> str:
-    v = node.arg
-    if node.dtype.is_bool:
-        return "True" if v else "False"
-    if node.dtype.is_int:
-        return f"tl.full([], {v}, tl.int64)" if node.dtype is DType.INT64 else str(v)
-    if math.isnan(v):
-        text = 'float("nan")'
-    elif math.isinf(v):
-        text = 'float("inf")' if v > 0 else '-float("inf")'
-    else:
-        text = repr(v)
-    if node.dtype is not DType.FLOAT32:
-        return f"tl.full([], {text}, {TL_DTYPE[node.dtype]})"
-    return text
+    """A constant operand: a Python literal where Triton's weak typing gives the node's dtype
+    (bool, int32, float32), a 0-dim tensor otherwise."""
+    text = _scalar_text(node)
+    if node.dtype in (DType.BOOL, DType.INT32, DType.FLOAT32):
+        return text
+    return f"tl.full([], {text}, {TL_DTYPE[node.dtype]})"
 
 
 def provably_nonnegative(node: Node) -> bool:
@@ -286,6 +278,49 @@ class _Body:
         return f"tl.load({p.ptr} + {offset}, mask=({mask}) != 0, other=0).to({TL_DTYPE[n.dtype]})"
 
 
+# Note [Constant and index-only results]
+# Simplification can fold a mod (or a derivative) to a constant: `torch.zeros_like(score)`,
+# `torch.where(q_idx != q_idx, score, -inf)`, `x * 0`. Its emitted name is then a Python literal
+# (`0.0`, `True`) with no Triton type and no shape, and a value that depends on the indices alone
+# has the shape of the index it reads (a scalar for `h`, a row for `q_idx`). A device function's
+# result is always a Triton tensor of the node's dtype: a score_mod's fills the score tile (the
+# kernels reduce it along both axes), a constant elsewhere is a 0-dim tensor that broadcasts
+# against any tile (mask_mods, the block-mask kernels' line functions). Dependence on `score` is
+# read from the IR, not from the mod's parameters, since a mod that names `score` may still fold
+# to something without it.
+
+
+def depends_on(node: Node, var: str) -> bool:
+    """Whether `node`'s value reads the variable `var` (after simplification, structurally)."""
+    return any(n.op is Op.VAR and n.arg == var for n in toposort([node]))
+
+
+def _result(body: _Body, node: Node, shape: str | None) -> str:
+    """The returned expression of a device function, typed and shaped (Note [Constant and
+    index-only results]); `shape` is the tile's shape expression where the result must fill it."""
+    name = body.name(node)
+    dtype = TL_DTYPE[node.dtype]
+    if node.op is Op.CONST:
+        return f"tl.full({shape or '[]'}, {_scalar_text(node)}, {dtype})"
+    if shape is not None and not depends_on(node, "score"):
+        return f"tl.broadcast_to({name}, {shape})"
+    return name
+
+
+def _scalar_text(node: Node) -> str:
+    """A constant's value as a Python literal (no Triton type attached)."""
+    v = node.arg
+    if node.dtype.is_bool:
+        return "True" if v else "False"
+    if node.dtype.is_int:
+        return str(int(v))
+    if math.isnan(v):
+        return 'float("nan")'
+    if math.isinf(v):
+        return 'float("inf")' if v > 0 else '-float("inf")'
+    return repr(float(v))
+
+
 def _function(name: str, params: list[str], lines: list[str], ret: str, doc: str) -> str:
     body = "\n".join(f"    {line}" for line in lines)
     sig = ",\n".join(f"    {p}" for p in params)
@@ -305,9 +340,7 @@ def emit_mod(traced: TracedMod, fn_name: str) -> ModSource:
     extra = tuple(p for c in caps for p in c.names())
     body = _Body(_VAR_PARAMS)
     body.emit([traced.output])
-    ret = body.name(traced.output)
-    if traced.kind == "score_mod" and "score" not in traced.variables:
-        ret = f"tl.broadcast_to({ret}, score.shape)"  # a constant score still fills the tile
+    ret = _result(body, traced.output, "score.shape" if traced.kind == "score_mod" else None)
     params = [*traced.params, *extra]
     doc = f"{traced.kind} {traced.name!r}, traced by flexfa."
     return ModSource(fn_name, _function(fn_name, params, body.lines, ret, doc), extra)

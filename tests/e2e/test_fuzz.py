@@ -1,0 +1,118 @@
+"""The differential fuzzer: random programs (tests/e2e/fuzzgen.py) on every backend this machine
+has, output, LSE and every gradient against the float64 reference.
+
+CI runs a fixed budget with a fixed seed (derandomized: the same programs every run). A long
+campaign draws fresh programs:
+
+    FLEXFA_FUZZ_EXAMPLES=2000 python -m pytest tests/e2e/test_fuzz.py -k tiled
+
+`FLEXFA_FUZZ_EXAMPLES` sets the number of programs per backend (it also turns derandomization
+off, and `FLEXFA_FUZZ_SEED` picks the seed). A failing program shrinks to a small one and is
+printed as Python source that reproduces it. GPU backends run under `-m gpu`; bench/fuzz_gpu.py
+runs many programs on a GPU at once.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, note, seed, settings
+from hypothesis import strategies as st
+
+import flexfa
+from flexfa.blockmask import exact, exact_triton
+from flexfa.blockmask.block_mask import BlockSize
+from flexfa.blockmask.grid import TileGrid, TileList
+from tests.blockmask import oracle
+from tests.e2e.fuzzgen import (
+    INTERPRETER_TILES,
+    Program,
+    gpu_programs,
+    interpreter_programs,
+    mask_mod_sources,
+    programs,
+)
+from tests.e2e.harness import Problem
+
+#: Programs per backend in CI (measured: see the budgets below).
+_CI_EXAMPLES = {"tiled": 60, "triton": 12, "blockmask": 15, "gpu": 200}
+_LONG = os.environ.get("FLEXFA_FUZZ_EXAMPLES")
+_SEED = int(os.environ.get("FLEXFA_FUZZ_SEED", "19"))
+
+TRITON_TILES = INTERPRETER_TILES
+
+
+def fuzz_settings(backend: str):
+    n = int(_LONG) if _LONG else _CI_EXAMPLES[backend]
+    return settings(
+        max_examples=n,
+        deadline=None,
+        derandomize=not _LONG,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        print_blob=True,
+    )
+
+
+def run_program(
+    program: Program, backend: str, kernel_options: dict | None = None, device: str = "cpu"
+) -> None:
+    """Check one program; on failure the reproduction source goes into hypothesis' report."""
+    note("Reproduce with:\n\n" + program.source(backend, kernel_options, device))
+    program.check(backend, kernel_options, device)
+
+
+@fuzz_settings("tiled")
+@seed(_SEED)
+@given(program=programs(max_len=24))
+def test_fuzz_tiled(program):
+    run_program(program, "tiled")
+
+
+@fuzz_settings("triton")
+@seed(_SEED)
+@given(program=interpreter_programs())
+def test_fuzz_triton_interpreter(program):
+    run_program(program, "triton", TRITON_TILES)
+
+
+@pytest.mark.gpu
+@fuzz_settings("gpu")
+@seed(_SEED)
+@given(program=gpu_programs())
+def test_fuzz_triton_gpu(program):
+    run_program(program, "triton", device="cuda")
+
+
+@fuzz_settings("blockmask")
+@seed(_SEED)
+@given(
+    mask=mask_mod_sources(),
+    lengths=st.tuples(st.integers(1, 70), st.integers(1, 70)),
+    block=st.sampled_from([16, (16, 8), (8, 32)]),
+    heads=st.integers(1, 2),
+    capture_seed=st.integers(0, 2**16),
+)
+def test_fuzz_block_mask_kernels(mask, lengths, block, heads, capture_seed, tmp_path_factory):
+    """Random mask_mods through the fused block-list kernel and the exact tier's kernel (Triton;
+    the interpreter on a CPU), against the dense oracle and the torch tier."""
+    program = Program(Problem(heads_q=heads), mask_mod=mask, seed=capture_seed)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    fn = program.build_mask_mod(device)
+    q_len, kv_len = lengths
+    note(f"{program.source()}\nlengths={lengths} block={block}")
+    size = BlockSize.of(block)
+    with flexfa.config.override(cache_dir=tmp_path_factory.mktemp("cache")):
+        with flexfa.config.override(fused_block_mask="on"):
+            bm = flexfa.create_block_mask(
+                fn, 1, heads, q_len, kv_len, device=device, BLOCK_SIZE=block
+            )
+        want = oracle.expected_states(fn, 1, heads, q_len, kv_len, size).cpu()
+        assert torch.equal(oracle.states_of(bm, 1, heads), want)
+        traced = flexfa.trace_mask_mod(fn)
+        grid = TileGrid(1, heads, q_len, kv_len, size, torch.device(device))
+        tiles = TileList.where(torch.ones(grid.shape, dtype=torch.bool, device=device))
+        got = exact_triton.classify_tiles(traced, grid, tiles)
+        assert torch.equal(got.cpu(), exact.classify_tiles(traced, grid, tiles).cpu())
