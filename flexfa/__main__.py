@@ -123,8 +123,15 @@ def cache_command(args: argparse.Namespace) -> int:
     from flexfa import diskcache
 
     if args.action == "clear":
-        for path in diskcache.clear(args.backend):
+        try:
+            removed = diskcache.clear(args.backend)
+        except OSError as e:
+            print(f"flexfa cache clear: {e}", file=sys.stderr)
+            return 1
+        for path in removed:
             print(f"removed {path}")
+        if not removed:
+            print("nothing to remove")
         return 0
     info = diskcache.info()
     if args.json:

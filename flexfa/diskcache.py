@@ -27,15 +27,16 @@ From the shell: `python -m flexfa cache info` and `python -m flexfa cache clear 
 #
 #   Why re-render rather than a digest of the file's content in its name: a digest catches
 #   damage, but a file named by the digest of its own (foreign) content passes it; only
-#   re-rendering ties the bytes to the key. Measured on the CPU (ALiBi + causal attention
-#   module, 25 kB): sha256 of the file 0.02 ms; re-rendering 0.7 ms of emitting plus 1.7 ms of
-#   template rendering, and 12 ms once per process to load and compile the Jinja templates;
-#   compiling the module's Python, needed either way, 4.6 ms. So verification costs about 15 ms
-#   on the first call in a process, against a first call of 1.2-1.5 s on a GPU with warm caches
-#   (docs/performance.md has the first-call measurement, `bench/cache_first_call.py`). The disk
-#   copy then saves no rendering; it is kept because it is the file tracebacks, the exported
-#   source and people point at, and it is what tells a second process that its Triton binaries
-#   are already in Triton's cache.
+#   re-rendering ties the bytes to the key. Measured on the CPU (CPU time in a fresh process,
+#   ALiBi + causal attention module of 25 kB): sha256 of the file 0.05 ms; re-rendering 0.6 ms
+#   of emitting and 0.4 ms of template rendering, after 15-23 ms once per process to parse and
+#   compile the Jinja templates. Compiling the module's Python (8 ms) is paid either way now
+#   that no `__pycache__` bytecode is trusted. So the check costs about 17 ms on the first call
+#   in a process and about 1 ms on each later new module, against a first call of 1.2-1.5 s on
+#   a GPU with warm caches (docs/performance.md, `bench/cache_first_call.py`). The disk copy
+#   then saves no rendering; it is kept because it is the file tracebacks, the exported source
+#   and people point at, and the sign for a second process that its Triton binaries are in
+#   Triton's cache.
 #
 # - The directory is private. flexfa creates it (and any missing parent) with mode 0700, and uses
 #   it only if it is a directory owned by the current user that neither group nor others can
@@ -175,12 +176,16 @@ def _problem(path: Path) -> str | None:
     return None
 
 
-def fallback_dir() -> Path:
-    """The private per-user directory used when the configured one cannot be."""
+def fallback_dir() -> Path | None:
+    """The private per-user directory used when the configured one cannot be (None if the
+    system has no usable temporary directory)."""
     user = _euid()
     if user is None:
         user = os.environ.get("USERNAME") or "user"
-    return Path(tempfile.gettempdir()) / f"flexfa-{user}"
+    try:
+        return Path(tempfile.gettempdir()) / f"flexfa-{user}"
+    except OSError:  # no temporary directory can be written
+        return None
 
 
 def location() -> Location:
@@ -203,7 +208,14 @@ def _resolve(configured: Path) -> Location:
     if reason is None:
         return Location(configured, configured)
     fallback = fallback_dir()
-    second = _problem(fallback) if fallback != configured else reason
+    if fallback is None:
+        second = "no usable temporary directory for a private one"
+    elif fallback == configured:
+        second = "it is also the private fallback"
+    else:
+        second = _problem(fallback)
+        if second is not None:
+            second = f"nor {fallback}: {second}"
     if second is None:
         warn(
             f"flexfa: not using the cache directory {configured}: {reason}; "
@@ -212,7 +224,7 @@ def _resolve(configured: Path) -> Location:
         )
         return Location(configured, fallback, reason)
     warn(
-        f"flexfa: not using the cache directory {configured}: {reason}; nor {fallback}: {second}; "
+        f"flexfa: not using the cache directory {configured}: {reason}; {second}; "
         "generated modules are kept in memory for this process",
         once=("dir", str(configured)),
     )
