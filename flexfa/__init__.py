@@ -10,7 +10,7 @@ backend anywhere).
 >>> out = flexfa.attention(q, k, v, score_mod=flexfa.mods.alibi, block_mask=flexfa.masks.causal)
 """
 
-from flexfa import masks, mods
+from flexfa import diskcache, masks, mods
 from flexfa.api import attention, build_spec, explain_backend
 from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
 from flexfa.blockmask.build import create_block_mask
@@ -32,6 +32,7 @@ __all__ = [
     "build_spec",
     "config",
     "create_block_mask",
+    "diskcache",
     "explain_backend",
     "export_source",
     "masks",

@@ -1,4 +1,5 @@
-"""Command line: `python -m flexfa export FILE.py:MOD [--mask MASK] --out DIR`.
+"""Command line: `python -m flexfa export FILE.py:MOD [--mask MASK] --out DIR`, and
+`python -m flexfa cache info|clear` for the disk caches (docs/cache.md).
 
 Examples:
 
@@ -9,6 +10,11 @@ Examples:
 MOD and MASK name a function in a Python file (FILE.py:NAME), optionally called with constant
 arguments (FILE.py:softcap(30.0)); a bare NAME refers to flexfa.mods / flexfa.masks; `none` means
 no score_mod. `--ptx ARCH` also compiles every kernel for sm_ARCH (no GPU needed) and writes PTX.
+
+    python -m flexfa cache info              # where the caches are, entries and size per backend
+    python -m flexfa cache info --json
+    python -m flexfa cache clear             # remove every backend's cache
+    python -m flexfa cache clear --backend triton
 """
 
 from __future__ import annotations
@@ -103,6 +109,64 @@ def export_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return ""  # pragma: no cover
+
+
+def cache_command(args: argparse.Namespace) -> int:
+    import json
+
+    from flexfa import diskcache
+
+    if args.action == "clear":
+        try:
+            removed = diskcache.clear(args.backend)
+        except OSError as e:
+            print(f"flexfa cache clear: {e}", file=sys.stderr)
+            return 1
+        for path in removed:
+            print(f"removed {path}")
+        if not removed:
+            print("nothing to remove")
+        return 0
+    info = diskcache.info()
+    if args.json:
+        print(json.dumps(info.as_dict(), indent=1))
+        return 0
+    loc = info.location
+    if loc.path is None:
+        print(f"flexfa cache: memory only ({loc.configured} is not usable: {loc.reason})")
+    elif loc.reason is not None:
+        print(f"flexfa cache: {loc.path} ({loc.configured} is not used: {loc.reason})")
+    else:
+        print(f"flexfa cache: {loc.path}")
+    print(f"{'backend':<10} {'entries':>7} {'files':>6} {'size':>9}  holds")
+    for b in info.backends:
+        extra = f"; also {', '.join(b.data_files)}" if b.data_files else ""
+        print(
+            f"{b.backend:<10} {b.entries:>7} {b.files:>6} {_size(b.bytes):>9}  "
+            f"{diskcache.BACKENDS[b.backend]}{extra}"
+        )
+    print("Compiled binaries are kept by Triton in its own cache (TRITON_CACHE_DIR).")
+    return 0
+
+
+def _backend_list(text: str) -> list[str]:
+    from flexfa.diskcache import BACKENDS
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in BACKENDS:
+            raise argparse.ArgumentTypeError(
+                f"unknown backend {n!r}; expected one of {', '.join(sorted(BACKENDS))}"
+            )
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flexfa", description="flexfa tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -124,9 +188,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     ex.add_argument("--head-dim", type=int, default=128, help="head dim for --ptx")
     ex.add_argument("--dtype", default="bfloat16", help="dtype for --ptx")
+    ca = sub.add_parser("cache", help="show or clear flexfa's disk caches")
+    cache_sub = ca.add_subparsers(dest="action", required=True)
+    info = cache_sub.add_parser("info", help="location, entries and size per backend")
+    info.add_argument("--json", action="store_true", help="print JSON")
+    clear = cache_sub.add_parser("clear", help="remove cached modules and tuning results")
+    clear.add_argument(
+        "--backend",
+        type=_backend_list,
+        action="extend",
+        default=None,
+        help="only these backends (repeat or separate with commas); default: all",
+    )
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_command(args)
+    if args.command == "cache":
+        return cache_command(args)
     return 2  # pragma: no cover
 
 

@@ -27,11 +27,12 @@ from flexfa.mods import HeadsDependentMod, bind_heads
 
 @dataclasses.dataclass(frozen=True)
 class ExportedModule:
-    """A generated module: its source text, the key it is cached under, and where the cache keeps it."""
+    """A generated module: its source text, the key it is cached under, and where the cache keeps it
+    (None when the disk cache is not usable)."""
 
     source: str
     key: Any
-    path: Path
+    path: Path | None
 
     def write(self, directory: str | Path) -> list[Path]:
         """Write `kernels.py` and `key.json` into `directory`; returns the paths written."""
@@ -76,6 +77,7 @@ def export_module(
 ) -> ExportedModule:
     """The Triton module flexfa generates for these mods (see `export_source`)."""
     from flexfa.codegen.triton.module import load_module, module_dir
+    from flexfa.diskcache import source_of
 
     score, mask = _trace_pair(score_mod, mask_mod, num_heads)
     if score is None:
@@ -86,9 +88,10 @@ def export_module(
         slots = frozenset(c.slot for c in score.captures if c.dtype.is_float)
     else:
         slots = frozenset()
-    key, _ = load_module(score, mask, slots)
-    path = module_dir(key) / "kernels.py"
-    return ExportedModule(source=path.read_text(), key=key, path=path)
+    key, module = load_module(score, mask, slots)
+    directory = module_dir(key)
+    path = directory / "kernels.py" if directory is not None else None
+    return ExportedModule(source=source_of(module), key=key, path=path)
 
 
 def export_source(

@@ -5,9 +5,10 @@ The mask_mod is rendered as a device function by flexfa's Triton emitter
 it on sub-tiles of `ROWS x COLS` pairs, and reduces "some pair allowed" and "every pair allowed"
 to the tile's state. Memory is the list of tiles and one byte per tile; nothing else is stored.
 
-Generated modules are cached in memory and on disk under `FLEXFA_CACHE_DIR/blockmask/`, keyed by
-the mask's IR digest, the kernel and emitter sources and the versions (as Note [Compile cache] in
-flexfa/codegen/triton/module.py describes for the attention kernels).
+Generated modules are cached in memory and on disk under `<cache>/blockmask/`, keyed by the mask's
+IR digest, the kernel and emitter sources and the versions (as Note [Compile cache] in
+flexfa/codegen/triton/module.py describes for the attention kernels), by the rules of
+Note [Disk caches] in flexfa/diskcache.py.
 
 Loads are guarded as everywhere in flexfa (Note [Loads out of bounds]), but this kernel does not
 report out-of-bounds reads at allowed pairs; the CPU tier does.
@@ -24,8 +25,8 @@ import types
 
 import torch
 
+from flexfa import diskcache
 from flexfa.blockmask.grid import TileGrid, TileList
-from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 
 # The kernel; `{mask_fn}`, `{capture_params}` and `{capture_args}` are filled from the emitted
@@ -126,21 +127,19 @@ def load_kernel(mask: TracedMod):
     import triton
 
     from flexfa import __version__
-    from flexfa.codegen.triton import module
 
     key = _Key(mask.key, _sources_digest(), __version__, triton.__version__)
     digest = key.digest
     with _lock:
         mod = _modules.get(digest)
         if mod is None:
-            directory = config.cache_dir / "blockmask" / digest[:24]
-            path = directory / "kernels.py"
-            if not path.exists():
-                module.atomic_write(path, _render(mask))
-                module.atomic_write(
-                    directory / "key.json", json.dumps(dataclasses.asdict(key), indent=1) + "\n"
-                )
-            mod = module.import_file(path, f"flexfa_blockmask_{digest[:24]}")
+            mod = diskcache.load_generated(
+                "blockmask",
+                digest[:24],
+                lambda: _render(mask),
+                f"flexfa_blockmask_{digest[:24]}",
+                key=dataclasses.asdict(key),
+            ).module
             _modules[digest] = mod
     return mod.flexfa_classify_tiles
 

@@ -47,6 +47,7 @@ import types
 
 import torch
 
+from flexfa import diskcache
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.blockmask.fused_emit import render
 from flexfa.blockmask.fused_plan import (
@@ -64,7 +65,6 @@ from flexfa.blockmask.intervals import Interval, Truth
 from flexfa.blockmask.lines import Sig, _Line
 from flexfa.codegen.triton.emit import capture_values
 from flexfa.codegen.triton.launch import run_logged
-from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 
 log = logging.getLogger("flexfa")
@@ -117,15 +117,16 @@ _lock = threading.Lock()
 
 
 def _kernel(source: str, digest: str):
-    from flexfa.codegen.triton import module
-
+    """The kernel of `source` (whose sha256 is `digest`), cached by Note [Disk caches]."""
     with _lock:
         mod = _modules.get(digest)
         if mod is None:
-            path = config.cache_dir / "blockmask" / f"lists_{digest[:24]}" / "kernels.py"
-            if not path.exists():
-                module.atomic_write(path, source)
-            mod = module.import_file(path, f"flexfa_block_lists_{digest[:24]}")
+            mod = diskcache.load_generated(
+                "blockmask",
+                f"lists_{digest[:24]}",
+                lambda: source,
+                f"flexfa_block_lists_{digest[:24]}",
+            ).module
             _modules[digest] = mod
     return mod.flexfa_block_lists
 

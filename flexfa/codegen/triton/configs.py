@@ -7,14 +7,13 @@ must divide the block size along its axis (`fit_to_block_mask`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import os
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from flexfa import diskcache
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig
 from flexfa.config import config
@@ -166,44 +165,38 @@ def supports_block_size(block_size: BlockSize) -> str | None:
 # -- tuned results on disk -----------------------------------------------------------------------
 
 
-def _tuning_path():
-    return config.cache_dir / "triton" / "tuning.json"
+TUNING_FILE = "tuning.json"  # in the "triton" cache (Note [Disk caches] in flexfa/diskcache.py)
+
+_tuned_files: dict[str, dict] = {}  # cache location -> contents, read once per process
 
 
-_tuned_files: dict[str, dict] = {}  # path -> contents, read once per process
-
-
-def _read_tuning(path) -> dict:
-    cached = _tuned_files.get(str(path))
+def _tuned() -> dict:
+    token = str(config.cache_dir)
+    cached = _tuned_files.get(token)
     if cached is None:
-        try:
-            cached = json.loads(path.read_text())
-        except (OSError, ValueError):
-            cached = {}
-        _tuned_files[str(path)] = cached
+        cached = _tuned_files[token] = diskcache.read_json("triton", TUNING_FILE) or {}
     return cached
 
 
 def load_tuned(key: str) -> KernelConfigs | None:
-    """Tuned configs stored under `key`, from FLEXFA_CACHE_DIR/triton/tuning.json (read once)."""
-    entry = _read_tuning(_tuning_path()).get(key)
+    """Tuned configs stored under `key` in the cache's triton/tuning.json (read once); an entry
+    that does not make valid configs is ignored with a warning."""
+    entry = _tuned().get(key)
     if entry is None:
         return None
     try:
         return KernelConfigs(FwdConfig(**entry["fwd"]), BwdConfig(**entry["bwd"]))
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError) as e:
+        diskcache.warn(
+            f"flexfa: ignored the tuning result {key} in {TUNING_FILE}: not valid configs ({e})",
+            once=("tuning", key),
+        )
         return None
 
 
 def store_tuned(key: str, configs: KernelConfigs) -> None:
-    path = _tuning_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        data = {}
+    """Add a tuning result (re-reading the file first: other processes may have added theirs)."""
+    data = diskcache.read_json("triton", TUNING_FILE) or {}
     data[key] = {"fwd": dataclasses.asdict(configs.fwd), "bwd": dataclasses.asdict(configs.bwd)}
-    _tuned_files[str(path)] = data
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    _tuned_files[str(config.cache_dir)] = data
+    diskcache.write_json("triton", TUNING_FILE, data)

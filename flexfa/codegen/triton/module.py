@@ -5,33 +5,32 @@
 # cooperate:
 #   - flexfa's: the rendered source of each module, keyed by `ModuleKey` (mods' IR digests, which
 #     captures need gradients, a hash of the templates, and the flexfa/triton/torch versions), kept
-#     in memory and on disk under `FLEXFA_CACHE_DIR/triton/<digest>/kernels.py` with a
-#     `key.json` describing the key. A later process loads the file instead of rendering.
+#     in memory and on disk under `<cache>/triton/<digest>/kernels.py` with a `key.json`
+#     describing the key. The disk copy is executed only when it is byte for byte what `render`
+#     produces now, and the cache never stops a call (Note [Disk caches] in flexfa/diskcache.py).
 #   - Triton's: compiled binaries per specialization (tile sizes, dtypes, head dims and alignment),
 #     keyed by Triton from the source text and constexprs, in Triton's cache directory. Because the
-#     source file is byte-identical across processes, a second process finds its binaries there
-#     and compiles nothing.
-# Writes are atomic (write to a temporary file, then rename), so concurrent processes never read a
-# half-written module.
+#     source is byte-identical across processes, a second process finds its binaries there and
+#     compiles nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.util
-import json
 import logging
 import os
 import sys
-import tempfile
 import threading
 import types
 from pathlib import Path
 
 import jinja2
 
+from flexfa import diskcache
 from flexfa.codegen.triton import emit
 from flexfa.codegen.triton.params import ModuleKey, TemplateParams
 from flexfa.config import config
@@ -48,8 +47,9 @@ class CacheStats:
     """Counters of the module cache (for tests and for `flexfa.codegen.triton.cache_info()`)."""
 
     memory_hits: int = 0
-    disk_hits: int = 0
-    renders: int = 0
+    disk_hits: int = 0  # a verified disk copy was found
+    renders: int = 0  # sources rendered (every load that misses memory renders, to verify)
+    writes: int = 0  # modules written to disk
 
 
 stats = CacheStats()
@@ -172,19 +172,20 @@ def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozense
     return "".join(parts)
 
 
-def module_dir(key: ModuleKey) -> Path:
-    return config.cache_dir / "triton" / key.digest[:24]
+def module_dir(key: ModuleKey) -> Path | None:
+    """The directory the disk cache keeps this module in (None when modules stay in memory)."""
+    root = diskcache.directory("triton")
+    return root / key.digest[:24] if root is not None else None
 
 
 def atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
+    """Write `text` to `path` atomically (raises OSError; see `flexfa.diskcache.atomic_write`)."""
+    diskcache.atomic_write(path, text.encode())
 
 
 def import_file(path: Path, name: str) -> types.ModuleType:
+    """Execute the file at `path` as it is, unchecked. Generated modules go through
+    `flexfa.diskcache.load_generated` instead, which executes only what flexfa renders."""
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -200,7 +201,8 @@ def load_module(
     *,
     force_compiled: bool = False,
 ) -> tuple[ModuleKey, types.ModuleType]:
-    """The generated module for these mods: from memory, else from disk, else rendered now.
+    """The generated module for these mods: from memory, else rendered and checked against the
+    disk copy, else rendered and written (Note [Compile cache]).
 
     With `force_compiled`, the module's functions are real Triton JIT functions even when
     TRITON_INTERPRET is set (for compiling without a GPU, see offline.py).
@@ -214,34 +216,35 @@ def load_module(
         if module is not None:
             stats.memory_hits += 1
             return key, module
-        directory = module_dir(key)
-        path = directory / "kernels.py"
-        if path.exists():
-            stats.disk_hits += 1
-        else:
-            source = render(score, mask, grad_slots)
-            atomic_write(path, source)
-            atomic_write(
-                directory / "key.json", json.dumps(dataclasses.asdict(key), indent=1) + "\n"
-            )
-            stats.renders += 1
-            log.debug("flexfa: rendered Triton module %s", path)
         name = f"flexfa_generated_{digest[:24]}" + (
             "" if interpreted else "_jit" if force_compiled else ""
         )
-        module = (
-            _import_without_interpreter(path, name) if force_compiled else import_file(path, name)
-        )
-        _modules[cache_id] = module
+
+        def rendered() -> str:
+            stats.renders += 1
+            return render(score, mask, grad_slots)
+
+        with _interpreter_off() if force_compiled else contextlib.nullcontext():
+            loaded = diskcache.load_generated(
+                "triton", digest[:24], rendered, name, key=dataclasses.asdict(key)
+            )
+        if loaded.origin == "disk":
+            stats.disk_hits += 1
+        elif loaded.origin == "written":
+            stats.writes += 1
+            log.debug("flexfa: wrote Triton module %s", loaded.path)
+        module = _modules[cache_id] = loaded.module
         return key, module
 
 
-def _import_without_interpreter(path: Path, name: str) -> types.ModuleType:
-    """Import with TRITON_INTERPRET off, so that @triton.jit makes compilable functions."""
+@contextlib.contextmanager
+def _interpreter_off():
+    """TRITON_INTERPRET off while a module executes, so that @triton.jit makes compilable
+    functions."""
     saved = os.environ.get("TRITON_INTERPRET")
     os.environ["TRITON_INTERPRET"] = "0"
     try:
-        return import_file(path, name)
+        yield
     finally:
         if saved is None:
             del os.environ["TRITON_INTERPRET"]
