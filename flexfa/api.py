@@ -33,7 +33,8 @@ def attention(
 
     Args:
         q: (B, Hq, Lq, E) queries; k: (B, Hkv, Lkv, E) keys; v: (B, Hkv, Lkv, Ev) values; one
-            dtype among float16, bfloat16, float32 (and float64 on the tiled backend).
+            dtype among float16, bfloat16, float32 (and float64 on the tiled backend). k and v
+            may have batch size 1, shared by every query batch element (never expanded).
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled score
             (e.g. `flexfa.mods.alibi`). It may read captured tensors; those that require grad get
             gradients.
@@ -117,6 +118,7 @@ def build_spec(
         needs_grad=needs_grad,
         deterministic=bool(deterministic),
         kernel_options=dict(kernel_options or {}),
+        batch_kv=k.shape[0],
     )
 
 

@@ -114,7 +114,7 @@ def reference_attention(
     """Dense attention with mods, computed in `dtype`. Returns (out in `dtype`, lse in `dtype`).
 
     1. s = (q @ k^T) * scale, with scale = 1/sqrt(E) by default; query head h uses KV head
-       h // (Hq // Hkv).
+       h // (Hq // Hkv); k and v of batch size 1 serve every query batch element.
     2. s = score_mod(s, b, h, q_idx, kv_idx) at every pair, with int32 indices (Note [Mods are
        applied per pair]); a `flexfa.mods.HeadsDependentMod` such as `alibi` is bound to Hq.
     3. Pairs the mask excludes get s = -inf.
@@ -124,6 +124,8 @@ def reference_attention(
     """
     B, Hq, Lq, E = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
+    if k.shape[0] != B:  # K/V batch broadcast: autograd sums dk/dv over the batch
+        k, v = k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])
     if Hq != Hkv:
         if not enable_gqa:
             raise ValueError("q and k/v have different head counts; pass enable_gqa=True")

@@ -18,8 +18,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 class AttentionSpec:
     """Shapes, types, mods and options of one call. Built by `flexfa.api` after validation.
 
-    Layout: q (batch, heads_q, len_q, head_dim), k (batch, heads_kv, len_kv, head_dim),
-    v (batch, heads_kv, len_kv, head_dim_v). Query head h reads KV head h // group_size.
+    Layout: q (batch, heads_q, len_q, head_dim), k (batch_kv, heads_kv, len_kv, head_dim),
+    v (batch_kv, heads_kv, len_kv, head_dim_v). Query head h reads KV head h // group_size; with
+    batch_kv 1 every query batch element reads the one K/V (Note [K/V batch broadcast]).
     """
 
     batch: int
@@ -37,8 +38,13 @@ class AttentionSpec:
     needs_grad: bool
     deterministic: bool = False
     kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    batch_kv: int = 0  # 0: the same as `batch`
 
     def __post_init__(self) -> None:
+        if self.batch_kv == 0:
+            object.__setattr__(self, "batch_kv", self.batch)
+        if self.batch_kv not in (1, self.batch):
+            raise ValueError(f"batch_kv ({self.batch_kv}) must be 1 or batch ({self.batch})")
         if self.heads_q % self.heads_kv:
             raise ValueError(
                 f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
@@ -47,6 +53,11 @@ class AttentionSpec:
     @property
     def group_size(self) -> int:
         return self.heads_q // self.heads_kv
+
+    @property
+    def kv_broadcast(self) -> bool:
+        """Whether one K/V batch element serves every query batch element."""
+        return self.batch_kv != self.batch
 
     @property
     def mask(self) -> TracedMod:
@@ -87,8 +98,11 @@ def validate_qkv(
     B, Hq, Lq, E = q.shape
     Bk, Hkv, Lkv, Ek = k.shape
     Bv, Hv, Lv, Ev = v.shape
-    if Bk != B or Bv != B:
-        raise ValueError(f"batch sizes differ: q has {B}, k has {Bk}, v has {Bv}")
+    if Bk != Bv or Bk not in (1, B):
+        raise ValueError(
+            f"batch sizes differ: q has {B}, k has {Bk}, v has {Bv}; k and v must share a batch "
+            f"size, equal to q's or 1 (one K/V broadcast to every query batch element)"
+        )
     if Ek != E:
         raise ValueError(f"k's head dim ({Ek}) must equal q's ({E})")
     if Hv != Hkv or Lv != Lkv:
@@ -115,6 +129,16 @@ def validate_qkv(
                 f"with enable_gqa=True, q's heads ({Hq}) must be a multiple of k/v's heads ({Hkv})"
             )
     return B, Hq, Hkv, Lq, Lkv, E, Ev
+
+
+# Note [K/V batch broadcast]
+# As in torch FlexAttention, k and v may have batch size 1 while q has B: every query batch element
+# attends to the same keys (a shared prefix, one KV cache for many queries). Nothing is expanded:
+# kernels read K/V with batch stride 0, and the backward sums dK/dV over the query batch (the tiled
+# backend reduces over the batch dim; the Triton dK/dV kernel walks every query batch element of
+# its K/V tile, like the query heads of a GQA group, so the sum stays in registers). score_mod and
+# mask_mod see the query's batch index b. torch additionally requires a block mask of batch B in
+# this case; flexfa also accepts one of batch 1 (or none).
 
 
 def resolve_scale(scale: object, head_dim: int) -> float:

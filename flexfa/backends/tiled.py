@@ -151,6 +151,11 @@ def _ungrouped(x: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
     return x.reshape(B, spec.heads_q, gr // spec.group_size, n)
 
 
+def _kv_batch(x: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
+    """A [B, Hkv, n, d] gradient summed to K/V's batch (Note [K/V batch broadcast] in spec.py)."""
+    return x.sum(0, keepdim=True) if spec.kv_broadcast else x
+
+
 def _scores(
     plan: _Plan,
     qg: torch.Tensor,
@@ -342,8 +347,10 @@ def _backward(
                     ds = torch.where(allowed, ds, 0.0)
             dsg = _grouped(ds, spec)
             dqg += torch.matmul(dsg, k_c)
-            step.add_columns(dk, torch.matmul(dsg.transpose(-1, -2), qg))  # qg holds the scale
-            step.add_columns(dv, torch.matmul(_grouped(p, spec).transpose(-1, -2), dog))
+            dk_c = torch.matmul(dsg.transpose(-1, -2), qg)  # qg holds the scale
+            step.add_columns(dk, _kv_batch(dk_c, spec))
+            dv_c = torch.matmul(_grouped(p, spec).transpose(-1, -2), dog)
+            step.add_columns(dv, _kv_batch(dv_c, spec))
         dq[:, :, r0:r1] = _ungrouped(dqg, spec)
     return dq * spec.scale, dk, dv, buffers
 

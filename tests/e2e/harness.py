@@ -38,6 +38,7 @@ class Problem:
     head_dim: int = 16
     head_dim_v: int = 16
     dtype: torch.dtype = torch.float32
+    batch_kv: int | None = None  # None: the same as batch; 1: K/V broadcast over the batch
 
     @property
     def enable_gqa(self) -> bool:
@@ -73,8 +74,8 @@ def make_inputs(
 
     return {
         "q": randn(p.batch, p.heads_q, p.len_q, p.head_dim),
-        "k": randn(p.batch, p.heads_kv, p.len_kv, p.head_dim),
-        "v": randn(p.batch, p.heads_kv, p.len_kv, p.head_dim_v),
+        "k": randn(p.batch_kv or p.batch, p.heads_kv, p.len_kv, p.head_dim),
+        "v": randn(p.batch_kv or p.batch, p.heads_kv, p.len_kv, p.head_dim_v),
         "dout": randn(p.batch, p.heads_q, p.len_q, p.head_dim_v),
         "dlse": randn(p.batch, p.heads_q, p.len_q),
     }

@@ -82,6 +82,12 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
     return flags
 
 
+def _kv_strides(t: torch.Tensor, spec: AttentionSpec) -> tuple[int, ...]:
+    """K/V strides as the kernels indexed by the query's batch read them: a broadcast K/V
+    (Note [K/V batch broadcast] in spec.py) has batch stride 0."""
+    return (0 if spec.kv_broadcast else t.stride(0), *t.stride()[1:])
+
+
 def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -> list:
     if traced is None:
         return []
@@ -220,7 +226,8 @@ class Launcher:
         constexprs = self._kv_side_constexprs(cfg.block_m, cfg.block_n)
         args = [
             q, k, v, out, lse,
-            *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
+            *q.stride(), *_kv_strides(k, spec), *_kv_strides(v, spec), *out.stride(),
+            lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
             Lq, Lkv, spec.heads_q, spec.group_size, spec.scale,
             *self._mod_args(score_tensors),
@@ -284,7 +291,7 @@ class Launcher:
             *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dk.stride(), *dv.stride(),
             *acc.stride(), lse.stride(0), lse.stride(1),
             *_ListArgs(bm.q_partial, bm.q_full).args(),
-            Lq, Lkv, Hq, spec.group_size, spec.scale,
+            Lq, Lkv, Hq, spec.group_size, B // spec.batch_kv, spec.scale,
             *mod_args, *grads,
         ]  # fmt: skip
         dq_constexprs = dict(
@@ -294,8 +301,8 @@ class Launcher:
         # pointer per such capture); CAPTURE_MODE=0 compiles the scatter out.
         dq_args = [
             q, k, v, dout, dq, lse, delta,
-            *q.stride(), *k.stride(), *v.stride(), *dout.stride(), *dq.stride(),
-            lse.stride(0), lse.stride(1),
+            *q.stride(), *_kv_strides(k, spec), *_kv_strides(v, spec), *dout.stride(),
+            *dq.stride(), lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
             Lq, Lkv, Hq, spec.group_size, spec.scale,
             *mod_args, *grads,
@@ -307,7 +314,8 @@ class Launcher:
                 pre_args, pre_constexprs, cfg, "backward preprocess",
             ),
             self._make(
-                "bwd_dkdv", m.flexfa_bwd_dkdv, (triton_cdiv(Lkv, cfg.block_n1), B * Hkv),
+                "bwd_dkdv", m.flexfa_bwd_dkdv,
+                (triton_cdiv(Lkv, cfg.block_n1), spec.batch_kv * Hkv),
                 dkdv_args, dkdv_constexprs, cfg, "backward dK/dV" + (" + dQ" if fused else ""),
             ),
         ]  # fmt: skip

@@ -87,8 +87,8 @@ def meta_device_launches(
     Lq, Lkv, E, Ev = spec.len_q, spec.len_kv, spec.head_dim, spec.head_dim_v
     dt = spec.dtype
     q = torch.empty(B, Hq, Lq, E, dtype=dt)
-    k = torch.empty(B, Hkv, Lkv, E, dtype=dt)
-    v = torch.empty(B, Hkv, Lkv, Ev, dtype=dt)
+    k = torch.empty(spec.batch_kv, Hkv, Lkv, E, dtype=dt)
+    v = torch.empty(spec.batch_kv, Hkv, Lkv, Ev, dtype=dt)
     out = torch.empty(B, Hq, Lq, Ev, dtype=dt)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32)
     score_tensors = tuple(spec.score_mod.tensors) if spec.score_mod is not None else ()
