@@ -19,6 +19,7 @@ from flexfa.export import export_source
 from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
 from flexfa.masks import and_masks, noop_mask, or_masks
 from flexfa.merge import merge_attention
+from flexfa.paged import PagedKVCache
 
 __version__ = "0.1.0"
 
@@ -27,6 +28,7 @@ __all__ = [
     "BlockMask",
     "BlockSize",
     "ModTraceError",
+    "PagedKVCache",
     "TileState",
     "and_masks",
     "attention",

@@ -17,7 +17,7 @@ import torch
 
 from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
-from flexfa.codegen.triton import autotune, emit
+from flexfa.codegen.triton import autotune, decode, emit
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton.launch import KernelLaunch, launch
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
@@ -453,6 +453,7 @@ class TritonBackend(Backend):
 
     name = "triton"
     auto_device_types = frozenset({"cuda"})
+    supports_paged = True  # through the decode kernels (flexfa/codegen/triton/decode.py)
 
     def supports(self, spec: AttentionSpec) -> Support:
         if spec.device.type != "cuda" and not (
@@ -483,6 +484,8 @@ class TritonBackend(Backend):
         return Support.yes()
 
     def run(self, spec, q, k, v):
+        if decode.applies(spec):
+            return decode.run(spec, q, k, v)
         launcher = Launcher(spec)
         score_tensors = tuple(
             t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
