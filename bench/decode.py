@@ -46,6 +46,18 @@ def bench(fn, rep: int) -> float:
     return do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median") * 1e3  # µs
 
 
+def host_us(fn, calls: int = 50) -> float:
+    """Host time per call: the time to enqueue `calls` calls (fewer launches than the queue
+    holds, so the host never waits for the GPU), divided by `calls`."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
 
@@ -183,6 +195,7 @@ def main() -> None:
                     with torch.no_grad():
                         err = rel_err(fn(), ref)
                         us = bench(fn, a.rep)
+                        host = host_us(fn)
                 except Exception as e:
                     emit(Lq=lq, Lkv=lkv, system=name, error=repr(e)[:300])
                     continue
@@ -192,6 +205,7 @@ def main() -> None:
                     Lkv=lkv,
                     system=name,
                     us=us,
+                    host_us=host,
                     tb_s=kv_bytes / us / 1e6,
                     rel_err_vs_sdpa=err,
                     options=best.get(lq) if name == "flexfa_best" else None,

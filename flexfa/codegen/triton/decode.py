@@ -254,49 +254,49 @@ def _list_args(bl: BlockList) -> list:
     ]  # fmt: skip
 
 
-def launches(
-    spec: AttentionSpec,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
-    config_override: DecodeConfig | None = None,
-    *,
-    capability: tuple[int, int] | None = None,
-    force_compiled: bool = False,
-) -> list[KernelLaunch]:
-    """The decode launches of a call (split kernel, then the merge when there are splits).
+@dataclasses.dataclass(eq=False)
+class _Prepared:
+    """Everything of a call's launches that its tensors' addresses do not change (cached)."""
 
-    `capability` and `force_compiled` are for compiling without a GPU, as in offline.py."""
-    if capability is None and not force_compiled:
-        capability = cfgs.device_capability(spec.device)
+    plan: DecodePlan
+    config: DecodeConfig
+    rows: int
+    tiles: int
+    part_size: int  # float32 elements of the partial outputs (0 with one split)
+    lists_args: list  # block lists, tile states and their strides
+    mask_args: list  # the mask_mod's captured tensors
+    constexprs: dict
+    merge_constexprs: dict
+    label: str
+    launched: bool = False  # after the first launch (logged), kernels are called directly
+
+
+# Note [Decode host time]
+# A decode step is short (tens of microseconds at 4k keys), so the host must not add much: per
+# BlockMask and call shape a `_Prepared` holds the plan, lists and constexprs, and after the first
+# (logged) launch the kernels are called without building `KernelLaunch` records.
+_prepared: weakref.WeakKeyDictionary[BlockMask, dict[tuple, _Prepared]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _prepare(
+    spec: AttentionSpec,
+    config_override: DecodeConfig | None,
+    capability: tuple[int, int] | None,
+    force_compiled: bool,
+) -> _Prepared:
     bm = spec.block_mask
     mask = None if spec.mask.is_trivially_true else spec.mask
     G, Lq = spec.group_size, spec.len_q
     rows = G * Lq
-    probe = union_lists(bm, spec.heads_kv, G, Lq, min(_next_pow2(rows), 128))
-    tiles = -(-rows // min(_next_pow2(rows), 128))
-    plan = _plan(spec, mask, probe, tiles, capability, force_compiled)
+    probe_m = min(_next_pow2(rows), 128 if capability is not None else 32)
+    probe = union_lists(bm, spec.heads_kv, G, Lq, probe_m)
+    plan = _plan(spec, mask, probe, -(-rows // probe_m), capability, force_compiled)
     cfg = config_override or plan.config
     lists = union_lists(bm, spec.heads_kv, G, Lq, cfg.block_m)
     tiles = -(-rows // cfg.block_m)
-    B, Hkv = spec.batch, spec.heads_kv
     splits = cfg.num_splits
-    if splits > 1:
-        out_part = torch.empty(
-            B * Hkv * splits * rows * plan.head_dim_v_pad, dtype=torch.float32, device=q.device
-        )
-        lse_part = torch.empty(B * Hkv * splits * rows, dtype=torch.float32, device=q.device)
-    else:
-        out_part = lse_part = lse  # never touched with one split
-    paged = spec.paged
-    if paged is not None:
-        page_table, kv_lens, page_size = paged.page_table, paged.kv_lens, paged.page_size
-        pt_stride = page_table.stride(0)
-    else:
-        page_table = kv_lens = lse  # never read
-        page_size, pt_stride = 1, 0
     st = lists.states
     st_strides = [
         0 if st.shape[0] == 1 else st.stride(0),
@@ -306,22 +306,7 @@ def launches(
     ]
     (pc, pi), p_strides = _list_args(lists.partial)
     (fc, fi), f_strides = _list_args(lists.full)
-    score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
-    mask_tensors = mask.tensors if mask is not None else ()
-    mod_args = []
-    if spec.score_mod is not None:
-        mod_args += emit.capture_values(tuple(t.contiguous() for t in score_tensors))
-    if mask is not None:
-        mod_args += emit.capture_values(mask_tensors)
-    args = [
-        q, k, v, out, lse, out_part, lse_part,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
-        pc, pi, fc, fi, *p_strides, *f_strides,
-        st, *st_strides,
-        page_table, pt_stride, kv_lens,
-        Lq, spec.len_kv, Hkv, G, spec.scale,
-        *mod_args,
-    ]  # fmt: skip
+    paged = spec.paged
     bs = bm.block_size
     constexprs = dict(
         HEAD_DIM=spec.head_dim,
@@ -337,33 +322,137 @@ def launches(
         HAS_FULL=lists.has_full,
         NUM_SPLITS=splits,
         PAGED=paged is not None,
-        PAGE_SIZE=page_size,
+        PAGE_SIZE=paged.page_size if paged is not None else 1,
         ROW_STATES=not bm.tiles_from_mask,
         INPUT_PRECISION=plan.precision,
     )
-    label = _label(spec, mask)
+    merge_constexprs = dict(
+        HEAD_DIM_V=spec.head_dim_v,
+        HEAD_DIM_V_PAD=plan.head_dim_v_pad,
+        BLOCK_M=cfg.block_m,
+        NUM_SPLITS=splits,
+    )
+    part = spec.batch * spec.heads_kv * splits * rows if splits > 1 else 0
+    return _Prepared(
+        plan=plan,
+        config=cfg,
+        rows=rows,
+        tiles=tiles,
+        part_size=part,
+        lists_args=[pc, pi, fc, fi, *p_strides, *f_strides, st, *st_strides],
+        mask_args=emit.capture_values(mask.tensors) if mask is not None else [],
+        constexprs=constexprs,
+        merge_constexprs=merge_constexprs,
+        label=_label(spec, mask),
+    )
+
+
+def prepared(
+    spec: AttentionSpec,
+    config_override: DecodeConfig | None = None,
+    capability: tuple[int, int] | None = None,
+    force_compiled: bool = False,
+) -> _Prepared:
+    """The cached `_Prepared` of a call (Note [Decode host time])."""
+    if capability is None and not force_compiled:
+        capability = cfgs.device_capability(spec.device)
+    paged = spec.paged
+    key: tuple | None = (
+        spec.score_mod.key if spec.score_mod is not None else None,
+        spec.dtype,
+        spec.device,
+        spec.batch,
+        spec.heads_q,
+        spec.heads_kv,
+        spec.len_q,
+        spec.len_kv,
+        spec.head_dim,
+        spec.head_dim_v,
+        None if paged is None else (paged.page_size, paged.num_pages),
+        config_override,
+        capability,
+        force_compiled,
+    )
+    try:
+        key = (*key, tuple(sorted(spec.kernel_options.items())))  # type: ignore[misc]
+        hash(key)
+    except TypeError:
+        key = None
+    per_mask = _prepared.setdefault(spec.block_mask, {})
+    found = per_mask.get(key) if key is not None else None
+    if found is None:
+        found = _prepare(spec, config_override, capability, force_compiled)
+        if key is not None:
+            per_mask[key] = found
+    return found
+
+
+def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple[list, list]:
+    """The arguments of the split kernel and of the merge kernel."""
+    if prep.part_size:
+        buf = torch.empty(
+            prep.part_size * (prep.plan.head_dim_v_pad + 1), dtype=torch.float32, device=q.device
+        )
+        out_part, lse_part = buf, buf[prep.part_size * prep.plan.head_dim_v_pad :]
+    else:
+        out_part = lse_part = lse  # never touched with one split
+    paged = spec.paged
+    if paged is not None:
+        page_args = [paged.page_table, paged.page_table.stride(0), paged.kv_lens]
+    else:
+        page_args = [lse, 0, lse]  # never read
+    score_args = (
+        emit.capture_values(tuple(t.contiguous() for t in spec.score_mod.tensors))
+        if spec.score_mod is not None
+        else []
+    )
+    G = spec.group_size
+    args = [
+        q, k, v, out, lse, out_part, lse_part,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
+        *prep.lists_args, *page_args,
+        spec.len_q, spec.len_kv, spec.heads_kv, G, spec.scale,
+        *score_args, *prep.mask_args,
+    ]  # fmt: skip
+    merge_args = [
+        out_part, lse_part, out, lse,
+        *out.stride(), lse.stride(0), lse.stride(1), spec.len_q, spec.heads_kv, G,
+    ]  # fmt: skip
+    return args, merge_args
+
+
+def launches(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config_override: DecodeConfig | None = None,
+    *,
+    capability: tuple[int, int] | None = None,
+    force_compiled: bool = False,
+) -> list[KernelLaunch]:
+    """The decode launches of a call (split kernel, then the merge when there are splits).
+
+    `capability` and `force_compiled` are for compiling without a GPU, as in offline.py."""
+    prep = prepared(spec, config_override, capability, force_compiled)
+    args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
+    plan, cfg = prep.plan, prep.config
+    grid = (cfg.num_splits, spec.batch * spec.heads_kv, prep.tiles)
     result = [
         _launch(
-            plan, spec, "decode", plan.module.flexfa_decode, (splits, B * Hkv, tiles), args,
-            constexprs, cfg, f"decode {label}",
+            plan, spec, "decode", plan.module.flexfa_decode, grid, args, prep.constexprs, cfg,
+            f"decode {prep.label}",
         )
     ]  # fmt: skip
-    if splits > 1:
-        merge_args = [
-            out_part, lse_part, out, lse,
-            *out.stride(), lse.stride(0), lse.stride(1), Lq, Hkv, G,
-        ]  # fmt: skip
-        merge_constexprs = dict(
-            HEAD_DIM_V=spec.head_dim_v,
-            HEAD_DIM_V_PAD=plan.head_dim_v_pad,
-            BLOCK_M=cfg.block_m,
-            NUM_SPLITS=splits,
-        )
+    if cfg.num_splits > 1:
         merge_cfg = dataclasses.replace(cfg, num_warps=4, num_stages=1)
         result.append(
             _launch(
-                plan, spec, "decode_merge", plan.module.flexfa_decode_merge, (B * Hkv, tiles),
-                merge_args, merge_constexprs, merge_cfg, f"decode merge {label}",
+                plan, spec, "decode_merge", plan.module.flexfa_decode_merge,
+                (spec.batch * spec.heads_kv, prep.tiles), merge_args, prep.merge_constexprs,
+                merge_cfg, f"decode merge {prep.label}",
             )
         )  # fmt: skip
     return result
@@ -410,12 +499,28 @@ def run(
         )
         if q.stride(-1) != 1:
             q = q.contiguous()
-        for kl in launches(spec, q, k, v, out, lse):
-            launch(kl)
+        prep = prepared(spec)
+        if not prep.launched:
+            for kl in launches(spec, q, k, v, out, lse):
+                launch(kl)
+            prep.launched = True
+            return out, lse
+        # Note [Decode host time]: the same kernels, called directly.
+        args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
+        cfg, module = prep.config, prep.plan.module
+        grid = (cfg.num_splits, spec.batch * spec.heads_kv, prep.tiles)
+        module.flexfa_decode[grid](
+            *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prep.constexprs
+        )
+        if cfg.num_splits > 1:
+            module.flexfa_decode_merge[(grid[1], grid[2])](
+                *merge_args, num_warps=4, num_stages=1, **prep.merge_constexprs
+            )
     return out, lse
 
 
 def clear_caches() -> None:
     """Forget decode plans (tests)."""
     _plans.clear()
+    _prepared.clear()
     _num_sms.cache_clear()
