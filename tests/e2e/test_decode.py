@@ -42,6 +42,7 @@ CASES = [
     (4, 8, "strictly_causal", None, 2),
     (16, 1, "sliding_window", "relative_bias_per_head", None),
     (16, 4, "head_dependent", "alibi", 5),
+    (4, 4, "sliding_window_bidirectional", None, "separate"),
     (16, 8, "prefix_lm", None, None),
 ]
 
@@ -50,7 +51,10 @@ CASES = [
 def test_decode_against_reference(case, decode_calls):
     len_q, group, mask_name, score_name, splits = case
     p = Problem(batch=2, heads_q=2 * group, heads_kv=2, len_q=len_q, len_kv=75, head_dim=16)
-    options = {"decode_splits": splits} if splits else None
+    if splits == "separate":  # the merge as its own kernel (Note [Fused merge])
+        options = {"decode_splits": 3, "decode_merge": "separate"}
+    else:
+        options = {"decode_splits": splits} if splits else None
     with torch.no_grad():  # learnable captures too: decoding is inference
         check_attention(
             p,
@@ -63,6 +67,7 @@ def test_decode_against_reference(case, decode_calls):
             context=str(case),
         )
     assert len(decode_calls) == 1
+    assert all(int(c.count_nonzero()) == 0 for c in decode._counters.values())  # left at 0
 
 
 def test_decode_float16_default_block_mask(decode_calls):
@@ -189,6 +194,18 @@ def test_paged_against_reference(backend, page_size):
     check("lse", lse.double(), eager_lse, ref_lse)
     check.assert_ok()
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # the empty sequence
+
+
+def test_paged_pages_smaller_than_a_tile():
+    """Page size 16 under 32-key tiles: each column finds its own page."""
+    lens = [45, 18]
+    q, kp, vp, table, kv_lens, dense = _paged_problem(lens, 16, len_q=2)
+    out = flexfa.attention(
+        q.float(), kp.float(), vp.float(), page_table=table, kv_lens=kv_lens, enable_gqa=True,
+        backend="triton", kernel_options={"decode_block_n": 32, "decode_splits": 2},
+    )  # fmt: skip
+    ref, _ = _paged_reference(q, dense, None, None)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
 def test_paged_mods_see_logical_positions_and_batch():

@@ -448,6 +448,31 @@ class _TritonFunction(torch.autograd.Function):
         return None, dq, dk, dv, *capture_grads
 
 
+_options_checked: dict[tuple, str | None] = {}
+
+
+def _options_problem(spec: AttentionSpec) -> str | None:
+    """Why kernel_options cannot apply to this call, or None; remembered per distinct options
+    (decode steps call this every few microseconds of GPU time)."""
+    try:
+        key = (spec.head_dim, spec.dtype, tuple(sorted(spec.kernel_options.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _options_checked:
+        return _options_checked[key]
+    try:
+        cfgs.apply_options(
+            cfgs.default_configs(None, spec.head_dim, spec.dtype), spec.kernel_options
+        )
+        problem = None
+    except (ValueError, TypeError) as e:
+        problem = str(e)
+    if key is not None:
+        _options_checked[key] = problem
+    return problem
+
+
 class TritonBackend(Backend):
     """Generated Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
 
@@ -475,12 +500,9 @@ class TritonBackend(Backend):
         reason = cfgs.supports_block_size(spec.block_mask.block_size)
         if reason:
             return Support.no(reason)
-        try:
-            cfgs.apply_options(
-                cfgs.default_configs(None, spec.head_dim, spec.dtype), spec.kernel_options
-            )
-        except (ValueError, TypeError) as e:
-            return Support.no(str(e))
+        reason = _options_problem(spec)
+        if reason:
+            return Support.no(reason)
         return Support.yes()
 
     def run(self, spec, q, k, v):

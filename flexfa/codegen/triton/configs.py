@@ -39,7 +39,14 @@ BWD_OPTIONS = {
 OTHER_OPTIONS = frozenset({"autotune", "bwd_dq"})
 # The decode path's (flexfa/codegen/triton/decode.py).
 DECODE_OPTIONS = frozenset(
-    {"decode", "decode_splits", "decode_block_n", "decode_num_warps", "decode_num_stages"}
+    {
+        "decode",
+        "decode_splits",
+        "decode_block_n",
+        "decode_num_warps",
+        "decode_num_stages",
+        "decode_merge",
+    }
 )
 KNOWN_OPTIONS = frozenset(FWD_OPTIONS) | frozenset(BWD_OPTIONS) | OTHER_OPTIONS | DECODE_OPTIONS
 

@@ -54,6 +54,7 @@ class DecodeConfig:
     num_splits: int  # programs per (b, KV head, row tile)
     num_warps: int = 4
     num_stages: int = 3
+    fused_merge: bool = True  # Note [Fused merge]
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m)
@@ -187,23 +188,40 @@ def default_config(
     if splits is None:
         # Note [Decode configs]: about two programs per SM, but each split keeps a few KV tiles.
         programs = spec.batch * spec.heads_kv * tiles
-        want = -(-2 * _num_sms(spec.device) // programs)
+        want = max(1, round(4 * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
+    merge = opts.get("decode_merge", "fused")
+    if merge not in ("fused", "separate"):
+        raise ValueError(
+            f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
+        )
     return DecodeConfig(
         block_m=block_m,
         block_n=block_n,
         num_splits=int(splits),
         num_warps=int(opts.get("decode_num_warps", warps)),
         num_stages=int(opts.get("decode_num_stages", stages)),
+        fused_merge=merge == "fused",
     )
 
 
 # Note [Decode configs]
 # Decoding reads every K/V byte once and computes little, so what matters is enough loads in
-# flight: enough programs (about two per SM: splits = ceil(2 * SMs / (B * Hkv * row tiles))) and a
-# pipeline a few tiles deep in each. A split shorter than a few KV tiles costs more in its partial
-# output and the merge than it saves, hence _MIN_TILES_PER_SPLIT. docs/performance.md has the sweep.
+# flight: enough programs (about four per SM: splits = round(4 * SMs / (B * Hkv * row tiles))) and
+# a pipeline a few tiles deep in each. On an H200 (132 SMs) with B * Hkv = 64, 8 splits beat 5 by
+# 25% at Lq=16 and matched them at Lq=1 and 4; 2 splits lost 35-60% (docs/performance.md). A split
+# shorter than a few KV tiles costs more in its partial output and the merge than it saves, hence
+# _MIN_TILES_PER_SPLIT.
+#
+# Note [Fused merge]
+# With splits, each split writes its normalized partial output and base-2 LSE, then takes a ticket
+# (an atomic add on a per-(b, KV head, row tile) counter, acquire-release, after a barrier so that
+# all of the program's stores come first); the program that draws the last ticket merges the splits
+# and sets the counter back to 0. This saves the merge kernel's launch (host time matters at 4k
+# keys) and its gap on the GPU. The counters live in one zeroed buffer per (device, stream), so
+# calls on different streams never share them; kernel_options {"decode_merge": "separate"} runs the
+# merge as its own kernel instead.
 
 
 def _plan(
@@ -324,6 +342,7 @@ def _prepare(
         PAGED=paged is not None,
         PAGE_SIZE=paged.page_size if paged is not None else 1,
         ROW_STATES=not bm.tiles_from_mask,
+        FUSED_MERGE=cfg.fused_merge and splits > 1,
         INPUT_PRECISION=plan.precision,
     )
     merge_constexprs = dict(
@@ -387,6 +406,21 @@ def prepared(
     return found
 
 
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, one buffer per (device, stream), grown on demand
+    (Note [Fused merge]); kernels leave them at 0."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < size:
+        buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
 def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple[list, list]:
     """The arguments of the split kernel and of the merge kernel."""
     if prep.part_size:
@@ -396,6 +430,10 @@ def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple
         out_part, lse_part = buf, buf[prep.part_size * prep.plan.head_dim_v_pad :]
     else:
         out_part = lse_part = lse  # never touched with one split
+    if prep.part_size and prep.config.fused_merge:
+        counters = _counter_buffer(q.device, spec.batch * spec.heads_kv * prep.tiles)
+    else:
+        counters = lse  # never touched
     paged = spec.paged
     if paged is not None:
         page_args = [paged.page_table, paged.page_table.stride(0), paged.kv_lens]
@@ -408,7 +446,7 @@ def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple
     )
     G = spec.group_size
     args = [
-        q, k, v, out, lse, out_part, lse_part,
+        q, k, v, out, lse, out_part, lse_part, counters,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
         *prep.lists_args, *page_args,
         spec.len_q, spec.len_kv, spec.heads_kv, G, spec.scale,
@@ -446,7 +484,7 @@ def launches(
             f"decode {prep.label}",
         )
     ]  # fmt: skip
-    if cfg.num_splits > 1:
+    if cfg.num_splits > 1 and not cfg.fused_merge:
         merge_cfg = dataclasses.replace(cfg, num_warps=4, num_stages=1)
         result.append(
             _launch(
@@ -512,7 +550,7 @@ def run(
         module.flexfa_decode[grid](
             *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prep.constexprs
         )
-        if cfg.num_splits > 1:
+        if cfg.num_splits > 1 and not cfg.fused_merge:
             module.flexfa_decode_merge[(grid[1], grid[2])](
                 *merge_args, num_warps=4, num_stages=1, **prep.merge_constexprs
             )
@@ -523,4 +561,5 @@ def clear_caches() -> None:
     """Forget decode plans (tests)."""
     _plans.clear()
     _prepared.clear()
+    _counters.clear()
     _num_sms.cache_clear()
