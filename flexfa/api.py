@@ -12,6 +12,7 @@ from flexfa.blockmask.bind import resolve_block_mask
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.frontend.trace import TracedMod, trace_score_mod
 from flexfa.mods import bind_heads
+from flexfa.paged import validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
 
 
@@ -28,6 +29,8 @@ def attention(
     backend: str = "auto",
     kernel_options: Mapping[str, Any] | None = None,
     deterministic: bool = False,
+    page_table: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a programmable score and mask, differentiable, on CPU or GPU.
 
@@ -47,6 +50,10 @@ def attention(
             warns once when it has to fall back on a GPU.
         kernel_options: backend options, e.g. {"block_m": 64} for triton.
         deterministic: bitwise-repeatable gradients for captured tensors (slower on GPU).
+        page_table, kv_lens: read K and V from a paged cache: `k`, `v` are then page pools
+            (num_pages, Hkv, page_size, E|Ev), `page_table` (B, max_pages) int32 maps logical page
+            j of sequence b to a pool page and `kv_lens` (B,) int32 gives each sequence's length.
+            Mods see logical positions; inference only (see flexfa/paged.py, `PagedKVCache`).
 
     A query row with no allowed key gets output 0, LSE -inf and zero gradients.
 
@@ -70,6 +77,8 @@ def attention(
         enable_gqa=enable_gqa,
         kernel_options=kernel_options,
         deterministic=deterministic,
+        page_table=page_table,
+        kv_lens=kv_lens,
     )
     impl = backends.select(backend, spec)
     out, lse = impl.run(spec, q, k, v)
@@ -87,9 +96,19 @@ def build_spec(
     enable_gqa: bool = False,
     kernel_options: Mapping[str, Any] | None = None,
     deterministic: bool = False,
+    page_table: torch.Tensor | None = None,
+    kv_lens: torch.Tensor | None = None,
 ) -> AttentionSpec:
     """Validate a call's arguments, trace its mods and bind its block mask."""
-    B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=enable_gqa)
+    paged = None
+    if page_table is None and kv_lens is None:
+        B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=enable_gqa)
+    elif page_table is None or kv_lens is None:
+        raise ValueError("a paged call needs both page_table and kv_lens")
+    else:
+        (B, Hq, Hkv, Lq, Lkv, E, Ev), paged = validate_paged(
+            q, k, v, page_table, kv_lens, enable_gqa=enable_gqa
+        )
     if kernel_options is not None and not isinstance(kernel_options, Mapping):
         raise TypeError(
             f"kernel_options must be a dict or None, got {type(kernel_options).__name__}"
@@ -102,6 +121,11 @@ def build_spec(
         or v.requires_grad
         or (traced_score is not None and bool(traced_score.grad_slots()))
     )
+    if paged is not None and needs_grad:
+        raise ValueError(
+            "paged KV caches are for inference: call under torch.no_grad(), or with q, the pools "
+            "and captured tensors not requiring grad"
+        )
     return AttentionSpec(
         batch=B,
         heads_q=Hq,
@@ -118,7 +142,9 @@ def build_spec(
         needs_grad=needs_grad,
         deterministic=bool(deterministic),
         kernel_options=dict(kernel_options or {}),
-        batch_kv=k.shape[0],
+        # A paged pool's first dimension counts pages: the page table holds one row per sequence.
+        batch_kv=k.shape[0] if paged is None else B,
+        paged=paged,
     )
 
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.frontend.trace import TracedMod
+
+if TYPE_CHECKING:
+    from flexfa.paged import PagedKV
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -39,6 +42,9 @@ class AttentionSpec:
     deterministic: bool = False
     kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     batch_kv: int = 0  # 0: the same as `batch`
+    #: K and V are page pools read through this page table (flexfa/paged.py); len_kv is then the
+    #: table's capacity, max_pages * page_size.
+    paged: PagedKV | None = None
 
     def __post_init__(self) -> None:
         if self.batch_kv == 0:

@@ -45,6 +45,8 @@ class Backend(abc.ABC):
     name: str
     #: Device types `auto` considers this backend for, in preference order of registration.
     auto_device_types: frozenset[str]
+    #: Whether `run` reads K and V through a page table (`spec.paged`, flexfa/paged.py).
+    supports_paged: bool = False
 
     @abc.abstractmethod
     def supports(self, spec: AttentionSpec) -> Support: ...
@@ -89,6 +91,12 @@ def names() -> list[str]:
     return list(dict.fromkeys([*_LAZY, *_REGISTRY]))
 
 
+def _supports(backend: Backend, spec: AttentionSpec) -> Support:
+    if spec.paged is not None and not backend.supports_paged:
+        return Support.no("it does not read paged KV caches")
+    return backend.supports(spec)
+
+
 def explain(spec: AttentionSpec) -> list[tuple[str, Support]]:
     """Each backend's answer for `spec`, in priority order."""
     answers = []
@@ -97,7 +105,7 @@ def explain(spec: AttentionSpec) -> list[tuple[str, Support]]:
         if backend is None:
             answers.append((name, Support.no(_unavailable.get(name, "not available"))))
         else:
-            answers.append((name, backend.supports(spec)))
+            answers.append((name, _supports(backend, spec)))
     return answers
 
 
@@ -109,7 +117,7 @@ def select(requested: str, spec: AttentionSpec) -> Backend:
             raise ValueError(f"backend {requested!r} is not available: {_unavailable[requested]}")
         if backend is None:
             raise ValueError(f"unknown backend {requested!r}; expected 'auto' or one of {names()}")
-        answer = backend.supports(spec)
+        answer = _supports(backend, spec)
         if not answer:
             raise ValueError(f"backend {requested!r} cannot run this call: {answer.reason}")
         return backend
@@ -119,7 +127,7 @@ def select(requested: str, spec: AttentionSpec) -> Backend:
         backend = _load(name)
         if backend is None or device_type not in backend.auto_device_types:
             continue
-        answer = backend.supports(spec)
+        answer = _supports(backend, spec)
         if answer:
             for other, reason in skipped:
                 _warn_once(other, backend.name, reason)

@@ -76,6 +76,7 @@ class _Plan:
         step_cols = int(spec.kernel_options.get("step_columns", DEFAULT_STEP_COLUMNS))
         self.blocks_per_step = max(1, step_cols // self.bkv)
         self.device = device
+        self.paged = spec.paged
         self.compute_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
 
     def rows(self, i: int) -> tuple[int, int]:
@@ -111,6 +112,12 @@ class _Plan:
                 )
             )
         return steps
+
+    def columns(self, step: _Step, t: torch.Tensor) -> torch.Tensor:
+        """K or V at the step's columns: a slice or gather, or through the page table."""
+        if self.paged is not None:
+            return self.paged.gather(t, step.cols)
+        return step.columns(t)
 
     def needs_env(self, step: _Step) -> bool:
         """Whether a step evaluates a mod (the score_mod, or the mask_mod on partial tiles)."""
@@ -212,8 +219,8 @@ def _forward(
         l_i = torch.zeros_like(m_i)
         acc = torch.zeros(B, Hq, r1 - r0, spec.head_dim_v, dtype=cd, device=q.device)
         for step in plan.steps(i):
-            k_c = step.columns(k).to(cd)
-            v_c = step.columns(v).to(cd)
+            k_c = plan.columns(step, k).to(cd)
+            v_c = plan.columns(step, v).to(cd)
             env = plan.env(r0, r1, step) if plan.needs_env(step) else None
             s, ev = _scores(plan, qg, k_c, env, score_tensors)
             if step.all_full:
@@ -223,6 +230,8 @@ def _forward(
                 allowed = plan.allowed(env, step)
                 _check_loads(spec, ev, allowed)
                 s = s.masked_fill(~allowed, -math.inf)
+            if plan.paged is not None:  # keys past each sequence's length
+                s = s.masked_fill(~plan.paged.in_length(step.cols), -math.inf)
             m_new = torch.maximum(m_i, s.amax(dim=-1, keepdim=True))
             m_safe = torch.where(torch.isneginf(m_new), 0.0, m_new)  # rows with nothing yet
             p = torch.exp(s - m_safe)
@@ -397,6 +406,7 @@ class TiledBackend(Backend):
 
     name = "tiled"
     auto_device_types = frozenset({"cpu", "cuda", "mps", "xpu"})
+    supports_paged = True  # forward only; flexfa.api refuses paged calls that need gradients
 
     def supports(self, spec: AttentionSpec) -> Support:
         return Support.yes()

@@ -63,6 +63,11 @@ def cached_block_mask(
 
 def clear_cache() -> None:
     _cache.clear()
+    _noop_cache.clear()
+
+
+# block_mask=None, the most common call, skips tracing and keying: one BlockMask per lengths.
+_noop_cache: collections.OrderedDict[tuple, BlockMask] = collections.OrderedDict()
 
 
 def _noop(b, h, q_idx, kv_idx):
@@ -79,7 +84,14 @@ def resolve_block_mask(
 ) -> BlockMask:
     """A BlockMask for the call: the given one (checked), or one built and cached from a mask_mod."""
     if block_mask is None:
-        return cached_block_mask(trace_mask_mod(_noop, device=device), B, H, Lq, Lkv, device)
+        key = (Lq, Lkv, device)
+        bm = _noop_cache.get(key)
+        if bm is None:
+            bm = cached_block_mask(trace_mask_mod(_noop, device=device), B, H, Lq, Lkv, device)
+            _noop_cache[key] = bm
+            while len(_noop_cache) > _CACHE_SIZE:
+                _noop_cache.popitem(last=False)
+        return bm
     if isinstance(block_mask, BlockMask):
         return _check_given(block_mask, B, H, Lq, Lkv, device)
     if callable(block_mask):

@@ -17,7 +17,7 @@ import torch
 
 from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
-from flexfa.codegen.triton import autotune, emit
+from flexfa.codegen.triton import autotune, decode, emit
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton.launch import KernelLaunch, launch
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
@@ -464,11 +464,37 @@ class _TritonFunction(torch.autograd.Function):
         return None, dq, dk, dv, *capture_grads
 
 
+_options_checked: dict[tuple, str | None] = {}
+
+
+def _options_problem(spec: AttentionSpec) -> str | None:
+    """Why kernel_options cannot apply to this call, or None; remembered per distinct options
+    (decode steps call this every few microseconds of GPU time)."""
+    try:
+        key = (spec.head_dim, spec.dtype, tuple(sorted(spec.kernel_options.items())))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _options_checked:
+        return _options_checked[key]
+    try:
+        cfgs.apply_options(
+            cfgs.default_configs(None, spec.head_dim, spec.dtype), spec.kernel_options
+        )
+        problem = None
+    except (ValueError, TypeError) as e:
+        problem = str(e)
+    if key is not None:
+        _options_checked[key] = problem
+    return problem
+
+
 class TritonBackend(Backend):
     """Generated Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
 
     name = "triton"
     auto_device_types = frozenset({"cuda"})
+    supports_paged = True  # through the decode kernels (flexfa/codegen/triton/decode.py)
 
     def supports(self, spec: AttentionSpec) -> Support:
         if spec.device.type != "cuda" and not (
@@ -490,15 +516,14 @@ class TritonBackend(Backend):
         reason = cfgs.supports_block_size(spec.block_mask.block_size)
         if reason:
             return Support.no(reason)
-        try:
-            cfgs.apply_options(
-                cfgs.default_configs(None, spec.head_dim, spec.dtype), spec.kernel_options
-            )
-        except (ValueError, TypeError) as e:
-            return Support.no(str(e))
+        reason = _options_problem(spec)
+        if reason:
+            return Support.no(reason)
         return Support.yes()
 
     def run(self, spec, q, k, v):
+        if decode.applies(spec):
+            return decode.run(spec, q, k, v)
         launcher = Launcher(spec)
         score_tensors = tuple(
             t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())

@@ -36,7 +36,18 @@ BWD_OPTIONS = {
     "bwd_num_stages": "num_stages",
 }
 OTHER_OPTIONS = frozenset({"autotune", "bwd_dq"})
-KNOWN_OPTIONS = frozenset(FWD_OPTIONS) | frozenset(BWD_OPTIONS) | OTHER_OPTIONS
+# The decode path's (flexfa/codegen/triton/decode.py).
+DECODE_OPTIONS = frozenset(
+    {
+        "decode",
+        "decode_splits",
+        "decode_block_n",
+        "decode_num_warps",
+        "decode_num_stages",
+        "decode_merge",
+    }
+)
+KNOWN_OPTIONS = frozenset(FWD_OPTIONS) | frozenset(BWD_OPTIONS) | OTHER_OPTIONS | DECODE_OPTIONS
 
 
 @dataclasses.dataclass(frozen=True)

@@ -39,7 +39,12 @@ from flexfa.frontend.trace import TracedMod
 log = logging.getLogger("flexfa")
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
-TEMPLATE_FILES = ("prelude.py.jinja", "attention_fwd.py.jinja", "attention_bwd.py.jinja")
+TEMPLATE_FILES = (
+    "prelude.py.jinja",
+    "attention_fwd.py.jinja",
+    "attention_bwd.py.jinja",
+    "decode.py.jinja",
+)
 
 
 @dataclasses.dataclass
@@ -169,6 +174,7 @@ def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozense
     context = params.as_dict()
     parts.append(env.get_template("attention_fwd.py.jinja").render(**context))
     parts.append(env.get_template("attention_bwd.py.jinja").render(**context))
+    parts.append(env.get_template("decode.py.jinja").render(**context))
     return "".join(parts)
 
 

@@ -1,0 +1,565 @@
+"""The decode path of the Triton backend: short queries against a long (or paged) KV cache.
+
+# Note [Decode kernels]
+# With few queries per head (decoding, speculative decoding: Lq of 1 to ~64) the attention kernel
+# has one program per (q tile, batch, query head): B * Hq programs that each read all of their KV
+# head's keys, so each K/V tile is read G times (once per query head of a GQA group) and a GPU of
+# 132 SMs runs only B * Hq programs. The decode kernels (templates/decode.py.jinja) fix both:
+#   - rows: the G * Lq (query head, query) pairs of one KV head are the rows of one tile, so a K/V
+#     tile is loaded once and multiplied against the whole group;
+#   - splits (FlashDecoding): the KV blocks of a (b, KV head, row tile) are split among
+#     `num_splits` programs, each writing a normalized partial output and its LSE; a second small
+#     kernel merges them (the merge of flexfa/merge.py, in base 2). With one split the first kernel
+#     writes the output directly.
+# Block sparsity: rows of one tile may belong to different query heads and q-blocks, so the
+# kernel walks *union lists* per (b, KV head, row tile): a KV block is listed when some row's tile
+# is non-empty, as full when every row's tile is full (computed from the BlockMask's tile states,
+# cached per BlockMask). On union-partial blocks the mask_mod decides per pair, which is exact when
+# the tile states come from the mask (`BlockMask.tiles_from_mask`); for hand-built block lists the
+# kernel reads each row's own tile state instead (ROW_STATES). Mods get `h` per row.
+# The path runs when no gradient is needed and Lq <= MAX_LEN_Q (or always for paged K/V, which
+# only these kernels read); kernel_options {"decode": False} turns it off, True forces it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import weakref
+
+import torch
+
+from flexfa.blockmask.block_mask import BlockList, BlockMask, TileState
+from flexfa.codegen.triton import configs as cfgs
+from flexfa.codegen.triton import emit
+from flexfa.codegen.triton.launch import KernelLaunch, launch
+from flexfa.codegen.triton.module import load_module
+from flexfa.codegen.triton.params import KernelKey, ModuleKey, _check_positive, _check_pow2
+from flexfa.codegen.triton.plan import plan_key
+from flexfa.spec import AttentionSpec
+
+#: The longest query the decode path takes by default (longer ones use the attention kernel).
+MAX_LEN_Q = 64
+# A split gets at least this many KV tiles (fewer would spend more time merging than reading).
+_MIN_TILES_PER_SPLIT = 4
+_MAX_SPLITS = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch options of the decode kernels."""
+
+    block_m: int  # rows (query head, query) per program
+    block_n: int  # keys per step
+    num_splits: int  # programs per (b, KV head, row tile)
+    num_warps: int = 4
+    num_stages: int = 3
+    fused_merge: bool = True  # Note [Fused merge]
+
+    def __post_init__(self) -> None:
+        _check_pow2("block_m", self.block_m)
+        _check_pow2("block_n", self.block_n)
+        for name in ("num_splits", "num_warps", "num_stages"):
+            _check_positive(name, getattr(self, name))
+
+
+def applies(spec: AttentionSpec) -> bool:
+    """Whether a call takes the decode path (Note [Decode kernels])."""
+    if spec.paged is not None:
+        return True
+    wanted = spec.kernel_options.get("decode", "auto")
+    if wanted not in (True, False, "auto"):
+        raise ValueError(f"kernel_options['decode'] must be True, False or 'auto', got {wanted!r}")
+    if spec.needs_grad or wanted is False:
+        return False
+    return wanted is True or (spec.len_q <= MAX_LEN_Q and spec.len_kv > spec.len_q)
+
+
+# -- union lists ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class UnionLists:
+    """kv-side lists per (b, KV head, row tile) and the tile states they came from."""
+
+    partial: BlockList  # [B', Hkv', tiles, kv-blocks]
+    full: BlockList
+    states: torch.Tensor  # int8 [B', H', q-blocks, kv-blocks], the BlockMask's
+    has_partial: bool
+    has_full: bool
+    max_blocks: int  # most blocks (partial + full) any row tile walks
+
+
+_union_cache: weakref.WeakKeyDictionary[BlockMask, dict[tuple, UnionLists]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def union_lists(bm: BlockMask, heads_kv: int, group: int, len_q: int, block_m: int) -> UnionLists:
+    """The union lists of `bm` for row tiles of `block_m` rows (cached per BlockMask)."""
+    per_mask = _union_cache.setdefault(bm, {})
+    key = (heads_kv, group, len_q, block_m)
+    found = per_mask.get(key)
+    if found is not None:
+        return found
+    states = bm.tile_states()
+    Bs, Hs, _, nkv = states.shape
+    rows = group * len_q
+    tiles = -(-rows // block_m)
+    dev = states.device
+    # Padding rows repeat the last row: neutral for "any row" and "every row".
+    r = torch.arange(tiles * block_m, device=dev).clamp(max=rows - 1)
+    qb = (r % len_q) // bm.block_size.q
+    if Hs == 1:
+        st = states[:, :, qb]  # [Bs, 1, R, nkv]
+    else:
+        h = torch.arange(heads_kv, device=dev)[:, None] * group + (r // len_q)[None, :]
+        st = states[:, h, qb.expand_as(h)]  # [Bs, Hkv, R, nkv]
+    st = st.reshape(Bs, st.shape[1], tiles, block_m, nkv)
+    live = (st != int(TileState.EMPTY)).any(3)
+    full = (st == int(TileState.FULL)).all(3)
+    partial_list = BlockList.from_dense(live & ~full)
+    full_list = BlockList.from_dense(full)
+    counts = torch.stack(
+        [
+            partial_list.count.amax(),
+            full_list.count.amax(),
+            (partial_list.count + full_list.count).amax(),
+        ]
+    ).tolist()
+    found = UnionLists(
+        partial=partial_list,
+        full=full_list,
+        states=states,
+        has_partial=counts[0] > 0,
+        has_full=counts[1] > 0,
+        max_blocks=int(counts[2]),
+    )
+    per_mask[key] = found
+    return found
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """What decode launches depend on beyond tensors: module, config, constexprs (cached)."""
+
+    key: ModuleKey
+    module: object
+    config: DecodeConfig
+    precision: str
+    head_dim_pad: int
+    head_dim_v_pad: int
+
+
+_plans: dict[tuple, DecodePlan] = {}
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few splits, so that tests see the merge
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _next_pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (n - 1).bit_length())
+
+
+def default_config(
+    spec: AttentionSpec, capability: tuple[int, int] | None, max_blocks: int, tiles: int
+) -> DecodeConfig:
+    """Tile sizes and splits for a call (Note [Decode configs])."""
+    opts = spec.kernel_options
+    rows = spec.group_size * spec.len_q
+    block_m = min(_next_pow2(rows), 128 if capability is not None else 32)
+    sparse_kv = spec.block_mask.block_size.kv
+    if capability is None:
+        block_n, warps, stages = 16, 4, 1
+    else:
+        block_n = 64
+        warps = 4 if block_m <= 64 else 8
+        stages = 3
+    block_n = cfgs._largest_pow2_divisor(sparse_kv, opts.get("decode_block_n", block_n))
+    tiles_per_block = sparse_kv // block_n
+    splits = opts.get("decode_splits")
+    if splits is None:
+        # Note [Decode configs]: about two programs per SM, but each split keeps a few KV tiles.
+        programs = spec.batch * spec.heads_kv * tiles
+        want = max(1, round(4 * _num_sms(spec.device) / programs))
+        most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
+        splits = max(1, min(want, most, _MAX_SPLITS))
+    merge = opts.get("decode_merge", "fused")
+    if merge not in ("fused", "separate"):
+        raise ValueError(
+            f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
+        )
+    return DecodeConfig(
+        block_m=block_m,
+        block_n=block_n,
+        num_splits=int(splits),
+        num_warps=int(opts.get("decode_num_warps", warps)),
+        num_stages=int(opts.get("decode_num_stages", stages)),
+        fused_merge=merge == "fused",
+    )
+
+
+# Note [Decode configs]
+# Decoding reads every K/V byte once and computes little, so what matters is enough loads in
+# flight: enough programs (about four per SM: splits = round(4 * SMs / (B * Hkv * row tiles))) and
+# a pipeline a few tiles deep in each. On an H200 (132 SMs) with B * Hkv = 64, 8 splits beat 5 by
+# 25% at Lq=16 and matched them at Lq=1 and 4; 2 splits lost 35-60% (docs/performance.md). A split
+# shorter than a few KV tiles costs more in its partial output and the merge than it saves, hence
+# _MIN_TILES_PER_SPLIT.
+#
+# Note [Fused merge]
+# With splits, each split writes its normalized partial output and base-2 LSE, then takes a ticket
+# (an atomic add on a per-(b, KV head, row tile) counter, acquire-release, after a barrier so that
+# all of the program's stores come first); the program that draws the last ticket merges the splits
+# and sets the counter back to 0. This saves the merge kernel's launch (host time matters at 4k
+# keys) and its gap on the GPU. The counters live in one zeroed buffer per (device, stream), so
+# calls on different streams never share them; kernel_options {"decode_merge": "separate"} runs the
+# merge as its own kernel instead.
+
+
+def _plan(
+    spec: AttentionSpec,
+    mask,
+    lists: UnionLists,
+    tiles: int,
+    capability: tuple[int, int] | None,
+    force_compiled: bool,
+) -> DecodePlan:
+    base = plan_key(spec, mask, capability, force_compiled)
+    page = spec.paged.page_size if spec.paged is not None else 0
+    key = (
+        None
+        if base is None
+        else (base, spec.len_q, spec.len_kv, spec.batch, lists.max_blocks, page)
+    )
+    found = _plans.get(key) if key is not None else None
+    if found is not None:
+        return found
+    module_key, module = load_module(
+        spec.score_mod, mask, frozenset(), force_compiled=force_compiled
+    )
+    if spec.dtype == torch.float32:
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+    else:
+        precision = "ieee"
+    found = DecodePlan(
+        key=module_key,
+        module=module,
+        config=default_config(spec, capability, lists.max_blocks, tiles),
+        precision=precision,
+        head_dim_pad=_next_pow2(spec.head_dim),
+        head_dim_v_pad=_next_pow2(spec.head_dim_v),
+    )
+    if key is not None:
+        _plans[key] = found
+    return found
+
+
+def _list_args(bl: BlockList) -> list:
+    def bs(t: torch.Tensor, dim: int) -> int:
+        return 0 if t.shape[dim] == 1 else t.stride(dim)
+
+    return [bl.count, bl.index], [
+        bs(bl.count, 0), bs(bl.count, 1), bl.count.stride(2),
+        bs(bl.index, 0), bs(bl.index, 1), bl.index.stride(2),
+    ]  # fmt: skip
+
+
+@dataclasses.dataclass(eq=False)
+class _Prepared:
+    """Everything of a call's launches that its tensors' addresses do not change (cached)."""
+
+    plan: DecodePlan
+    config: DecodeConfig
+    rows: int
+    tiles: int
+    part_size: int  # float32 elements of the partial outputs (0 with one split)
+    lists_args: list  # block lists, tile states and their strides
+    mask_args: list  # the mask_mod's captured tensors
+    constexprs: dict
+    merge_constexprs: dict
+    label: str
+    launched: bool = False  # after the first launch (logged), kernels are called directly
+
+
+# Note [Decode host time]
+# A decode step is short (tens of microseconds at 4k keys), so the host must not add much: per
+# BlockMask and call shape a `_Prepared` holds the plan, lists and constexprs, and after the first
+# (logged) launch the kernels are called without building `KernelLaunch` records.
+_prepared: weakref.WeakKeyDictionary[BlockMask, dict[tuple, _Prepared]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _prepare(
+    spec: AttentionSpec,
+    config_override: DecodeConfig | None,
+    capability: tuple[int, int] | None,
+    force_compiled: bool,
+) -> _Prepared:
+    bm = spec.block_mask
+    mask = None if spec.mask.is_trivially_true else spec.mask
+    G, Lq = spec.group_size, spec.len_q
+    rows = G * Lq
+    probe_m = min(_next_pow2(rows), 128 if capability is not None else 32)
+    probe = union_lists(bm, spec.heads_kv, G, Lq, probe_m)
+    plan = _plan(spec, mask, probe, -(-rows // probe_m), capability, force_compiled)
+    cfg = config_override or plan.config
+    lists = union_lists(bm, spec.heads_kv, G, Lq, cfg.block_m)
+    tiles = -(-rows // cfg.block_m)
+    splits = cfg.num_splits
+    st = lists.states
+    st_strides = [
+        0 if st.shape[0] == 1 else st.stride(0),
+        0 if st.shape[1] == 1 else st.stride(1),
+        st.stride(2),
+        st.stride(3),
+    ]
+    (pc, pi), p_strides = _list_args(lists.partial)
+    (fc, fi), f_strides = _list_args(lists.full)
+    paged = spec.paged
+    bs = bm.block_size
+    constexprs = dict(
+        HEAD_DIM=spec.head_dim,
+        HEAD_DIM_V=spec.head_dim_v,
+        HEAD_DIM_PAD=plan.head_dim_pad,
+        HEAD_DIM_V_PAD=plan.head_dim_v_pad,
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        SPARSE_Q=bs.q,
+        SPARSE_KV=bs.kv,
+        EVEN_N=paged is None and spec.len_kv % bs.kv == 0,
+        HAS_PARTIAL=lists.has_partial,
+        HAS_FULL=lists.has_full,
+        NUM_SPLITS=splits,
+        PAGED=paged is not None,
+        PAGE_SIZE=paged.page_size if paged is not None else 1,
+        ROW_STATES=not bm.tiles_from_mask,
+        FUSED_MERGE=cfg.fused_merge and splits > 1,
+        INPUT_PRECISION=plan.precision,
+    )
+    merge_constexprs = dict(
+        HEAD_DIM_V=spec.head_dim_v,
+        HEAD_DIM_V_PAD=plan.head_dim_v_pad,
+        BLOCK_M=cfg.block_m,
+        NUM_SPLITS=splits,
+    )
+    part = spec.batch * spec.heads_kv * splits * rows if splits > 1 else 0
+    return _Prepared(
+        plan=plan,
+        config=cfg,
+        rows=rows,
+        tiles=tiles,
+        part_size=part,
+        lists_args=[pc, pi, fc, fi, *p_strides, *f_strides, st, *st_strides],
+        mask_args=emit.capture_values(mask.tensors) if mask is not None else [],
+        constexprs=constexprs,
+        merge_constexprs=merge_constexprs,
+        label=_label(spec, mask),
+    )
+
+
+def prepared(
+    spec: AttentionSpec,
+    config_override: DecodeConfig | None = None,
+    capability: tuple[int, int] | None = None,
+    force_compiled: bool = False,
+) -> _Prepared:
+    """The cached `_Prepared` of a call (Note [Decode host time])."""
+    if capability is None and not force_compiled:
+        capability = cfgs.device_capability(spec.device)
+    paged = spec.paged
+    key: tuple | None = (
+        spec.score_mod.key if spec.score_mod is not None else None,
+        spec.dtype,
+        spec.device,
+        spec.batch,
+        spec.heads_q,
+        spec.heads_kv,
+        spec.len_q,
+        spec.len_kv,
+        spec.head_dim,
+        spec.head_dim_v,
+        None if paged is None else (paged.page_size, paged.num_pages),
+        config_override,
+        capability,
+        force_compiled,
+    )
+    try:
+        key = (*key, tuple(sorted(spec.kernel_options.items())))  # type: ignore[misc]
+        hash(key)
+    except TypeError:
+        key = None
+    per_mask = _prepared.setdefault(spec.block_mask, {})
+    found = per_mask.get(key) if key is not None else None
+    if found is None:
+        found = _prepare(spec, config_override, capability, force_compiled)
+        if key is not None:
+            per_mask[key] = found
+    return found
+
+
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
+    """Zeroed int32 counters for the fused merge, one buffer per (device, stream), grown on demand
+    (Note [Fused merge]); kernels leave them at 0."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    key = (device, stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < size:
+        buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
+def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple[list, list]:
+    """The arguments of the split kernel and of the merge kernel."""
+    if prep.part_size:
+        buf = torch.empty(
+            prep.part_size * (prep.plan.head_dim_v_pad + 1), dtype=torch.float32, device=q.device
+        )
+        out_part, lse_part = buf, buf[prep.part_size * prep.plan.head_dim_v_pad :]
+    else:
+        out_part = lse_part = lse  # never touched with one split
+    if prep.part_size and prep.config.fused_merge:
+        counters = _counter_buffer(q.device, spec.batch * spec.heads_kv * prep.tiles)
+    else:
+        counters = lse  # never touched
+    paged = spec.paged
+    if paged is not None:
+        page_args = [paged.page_table, paged.page_table.stride(0), paged.kv_lens]
+    else:
+        page_args = [lse, 0, lse]  # never read
+    score_args = (
+        emit.capture_values(tuple(t.contiguous() for t in spec.score_mod.tensors))
+        if spec.score_mod is not None
+        else []
+    )
+    G = spec.group_size
+    args = [
+        q, k, v, out, lse, out_part, lse_part, counters,
+        *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
+        *prep.lists_args, *page_args,
+        spec.len_q, spec.len_kv, spec.heads_kv, G, spec.scale,
+        *score_args, *prep.mask_args,
+    ]  # fmt: skip
+    merge_args = [
+        out_part, lse_part, out, lse,
+        *out.stride(), lse.stride(0), lse.stride(1), spec.len_q, spec.heads_kv, G,
+    ]  # fmt: skip
+    return args, merge_args
+
+
+def launches(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    config_override: DecodeConfig | None = None,
+    *,
+    capability: tuple[int, int] | None = None,
+    force_compiled: bool = False,
+) -> list[KernelLaunch]:
+    """The decode launches of a call (split kernel, then the merge when there are splits).
+
+    `capability` and `force_compiled` are for compiling without a GPU, as in offline.py."""
+    prep = prepared(spec, config_override, capability, force_compiled)
+    args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
+    plan, cfg = prep.plan, prep.config
+    grid = (cfg.num_splits, spec.batch * spec.heads_kv, prep.tiles)
+    result = [
+        _launch(
+            plan, spec, "decode", plan.module.flexfa_decode, grid, args, prep.constexprs, cfg,
+            f"decode {prep.label}",
+        )
+    ]  # fmt: skip
+    if cfg.num_splits > 1 and not cfg.fused_merge:
+        merge_cfg = dataclasses.replace(cfg, num_warps=4, num_stages=1)
+        result.append(
+            _launch(
+                plan, spec, "decode_merge", plan.module.flexfa_decode_merge,
+                (spec.batch * spec.heads_kv, prep.tiles), merge_args, prep.merge_constexprs,
+                merge_cfg, f"decode merge {prep.label}",
+            )
+        )  # fmt: skip
+    return result
+
+
+def _label(spec: AttentionSpec, mask) -> str:
+    sm = spec.score_mod.name if spec.score_mod else "none"
+    mm = mask.name if mask else "none"
+    return f"(score_mod={sm}, mask_mod={mm}, {spec.dtype}, D={spec.head_dim})"
+
+
+def _launch(plan, spec, name, kernel, grid, args, constexprs, cfg, label) -> KernelLaunch:
+    return KernelLaunch(
+        name=name,
+        kernel=kernel,
+        grid=grid,
+        args=tuple(args),
+        constexprs=constexprs,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        key=KernelKey(
+            module=plan.key,
+            kernel=name,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            head_dim=spec.head_dim,
+            head_dim_v=spec.head_dim_v,
+            config=cfg,
+            constexprs=tuple(sorted(constexprs.items())),
+        ),
+        label=label,
+    )
+
+
+def run(
+    spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Output and LSE of a call through the decode kernels (no autograd: inference only)."""
+    with torch.no_grad():
+        out = torch.empty(
+            spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v, dtype=q.dtype, device=q.device
+        )
+        lse = torch.empty(
+            spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device
+        )
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        prep = prepared(spec)
+        if not prep.launched:
+            for kl in launches(spec, q, k, v, out, lse):
+                launch(kl)
+            prep.launched = True
+            return out, lse
+        # Note [Decode host time]: the same kernels, called directly.
+        args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
+        cfg, module = prep.config, prep.plan.module
+        grid = (cfg.num_splits, spec.batch * spec.heads_kv, prep.tiles)
+        module.flexfa_decode[grid](
+            *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prep.constexprs
+        )
+        if cfg.num_splits > 1 and not cfg.fused_merge:
+            module.flexfa_decode_merge[(grid[1], grid[2])](
+                *merge_args, num_warps=4, num_stages=1, **prep.merge_constexprs
+            )
+    return out, lse
+
+
+def clear_caches() -> None:
+    """Forget decode plans (tests)."""
+    _plans.clear()
+    _prepared.clear()
+    _counters.clear()
+    _num_sms.cache_clear()

@@ -1,0 +1,278 @@
+"""The decode path (short queries against a long or paged KV cache) against the float64 reference.
+
+Triton's decode kernels run under its interpreter here (tiny sizes, 16-wide tiles); the tiled
+backend runs the paged calls as well. See Note [Decode kernels] in flexfa/codegen/triton/decode.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.codegen.triton import decode
+from flexfa.reference import reference_attention
+from tests.e2e.harness import Problem, check_attention, maker
+from tests.mods import mask_mod, score_mod
+from tests.tolerance import ThreeWay
+
+
+@pytest.fixture
+def decode_calls(monkeypatch):
+    """Counts calls that took the decode path."""
+    calls = []
+    real = decode.run
+
+    def spy(spec, q, k, v):
+        calls.append(spec)
+        return real(spec, q, k, v)
+
+    monkeypatch.setattr(decode, "run", spy)
+    return calls
+
+
+# (Lq, group size, mask, score_mod, splits): every Lq and GQA ratio, with masks that differ per
+# head, leave rows empty, or differ per batch element.
+CASES = [
+    (1, 1, "noop", None, None),
+    (1, 4, "causal", "alibi", None),
+    (1, 8, "key_padding", "relative_bias_per_head", 3),
+    (4, 1, "head_dependent", "softcap", 1),
+    (4, 4, "document_per_batch", "alibi_slope_table", None),
+    (4, 8, "strictly_causal", None, 2),
+    (16, 1, "sliding_window", "relative_bias_per_head", None),
+    (16, 4, "head_dependent", "alibi", 5),
+    (4, 4, "sliding_window_bidirectional", None, "separate"),
+    (16, 8, "prefix_lm", None, None),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"Lq{c[0]}-G{c[1]}-{c[2]}-{c[3]}-s{c[4]}")
+def test_decode_against_reference(case, decode_calls):
+    len_q, group, mask_name, score_name, splits = case
+    p = Problem(batch=2, heads_q=2 * group, heads_kv=2, len_q=len_q, len_kv=75, head_dim=16)
+    if splits == "separate":  # the merge as its own kernel (Note [Fused merge])
+        options = {"decode_splits": 3, "decode_merge": "separate"}
+    else:
+        options = {"decode_splits": splits} if splits else None
+    with torch.no_grad():  # learnable captures too: decoding is inference
+        check_attention(
+            p,
+            score_mod=maker(score_mod(score_name), p.shape) if score_name else None,
+            mask_mod=mask_mod(mask_name).build(p.shape, seed=1).fn,
+            block_size=16,
+            kernel_options=options,
+            backend="triton",
+            grad=False,
+            context=str(case),
+        )
+    assert len(decode_calls) == 1
+    assert all(int(c.count_nonzero()) == 0 for c in decode._counters.values())  # left at 0
+
+
+def test_decode_float16_default_block_mask(decode_calls):
+    p = Problem(
+        batch=1, heads_q=4, heads_kv=1, len_q=3, len_kv=300, head_dim=32, dtype=torch.float16
+    )
+    with torch.no_grad():
+        check_attention(p, mask_mod=flexfa.masks.causal, backend="triton", grad=False)
+    assert len(decode_calls) == 1
+
+
+def test_hand_built_block_lists_are_authoritative(decode_calls):
+    """A block listed full attends everywhere, an unlisted one nowhere (ROW_STATES), per head."""
+    B, Hq, Hkv, Lq, Lkv, E = 1, 4, 2, 2, 64, 16
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, h, n, E, generator=g) for h, n in ((Hq, Lq), (Hkv, Lkv), (Hkv, Lkv)))
+    # Per head (one q-block of 16): partial blocks and full blocks of 16 keys.
+    partial_n = torch.tensor([[[1]], [[0]], [[2]], [[1]]]).reshape(1, Hq, 1)
+    partial_i = torch.tensor([[0, 0, 0, 0], [0, 0, 0, 0], [1, 3, 0, 0], [2, 0, 0, 0]]).reshape(
+        1, Hq, 1, 4
+    )
+    full_n = torch.tensor([1, 2, 0, 1]).reshape(1, Hq, 1)
+    full_i = torch.tensor([[3, 0, 0, 0], [0, 2, 0, 0], [0, 0, 0, 0], [0, 0, 0, 0]]).reshape(
+        1, Hq, 1, 4
+    )
+    bm = flexfa.BlockMask.from_kv_blocks(
+        partial_n.int(), partial_i.int(), full_n.int(), full_i.int(), BLOCK_SIZE=16,
+        mask_mod=flexfa.masks.causal, seq_lengths=(Lq, Lkv),
+    )  # fmt: skip
+    assert not bm.tiles_from_mask
+    out, lse = flexfa.attention(
+        q, k, v, block_mask=bm, enable_gqa=True, return_lse=True, backend="triton",
+        kernel_options={"decode_splits": 2},
+    )  # fmt: skip
+    ref, ref_lse = reference_attention(
+        q.double(), k.double(), v.double(), block_mask=bm, enable_gqa=True
+    )
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    assert len(decode_calls) == 1
+
+
+def test_gradients_take_the_attention_kernels(decode_calls):
+    q = torch.randn(1, 2, 2, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    out = flexfa.attention(q, k, v, backend="triton", kernel_options={"block_m": 16, "block_n": 16})
+    out.sum().backward()
+    assert not decode_calls and q.grad is not None
+    with torch.no_grad():
+        again = flexfa.attention(q, k, v, backend="triton")
+    assert len(decode_calls) == 1
+    torch.testing.assert_close(again, out.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_option_turns_the_path_off(decode_calls):
+    q, k, v = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
+    flexfa.attention(q, k, v, backend="triton", kernel_options={"decode": False})
+    assert not decode_calls
+    with pytest.raises(ValueError, match="decode"):
+        flexfa.attention(q, k, v, backend="triton", kernel_options={"decode": "yes"})
+
+
+# -- paged KV ------------------------------------------------------------------------------------
+
+
+def _paged_problem(lens, page_size, heads_q=4, heads_kv=2, len_q=3, max_pages=None, seed=0):
+    """Random pools with the sequences' pages in random order; returns inputs and the dense K/V."""
+    g = torch.Generator().manual_seed(seed)
+    B, E = len(lens), 16
+    max_pages = max_pages or max(-(-n // page_size) for n in lens) + 1
+    num_pages = B * max_pages + 3
+    k_pages = torch.randn(num_pages, heads_kv, page_size, E, generator=g, dtype=torch.float64)
+    v_pages = torch.randn(num_pages, heads_kv, page_size, E, generator=g, dtype=torch.float64)
+    perm = torch.randperm(num_pages, generator=g)
+    page_table = torch.full((B, max_pages), -7, dtype=torch.int32)  # unused entries: garbage
+    dense = []
+    for b, n in enumerate(lens):
+        used = -(-n // page_size)
+        pages = perm[b * max_pages : b * max_pages + used]
+        page_table[b, :used] = pages.int()
+        k = k_pages[pages].permute(1, 0, 2, 3).reshape(heads_kv, -1, E)[:, :n]
+        v = v_pages[pages].permute(1, 0, 2, 3).reshape(heads_kv, -1, E)[:, :n]
+        dense.append((k[None], v[None]))
+    q = torch.randn(B, heads_q, len_q, E, generator=g, dtype=torch.float64)
+    kv_lens = torch.tensor(lens, dtype=torch.int32)
+    return q, k_pages, v_pages, page_table, kv_lens, dense
+
+
+def _paged_reference(q, dense, score_mod, mask_mod):
+    outs, lses = [], []
+    for b, (k, v) in enumerate(dense):
+        if k.shape[2] == 0:
+            outs.append(torch.zeros_like(q[b : b + 1]))
+            lses.append(torch.full(q[b : b + 1].shape[:3], -torch.inf, dtype=q.dtype))
+            continue
+        # The reference sees batch element 0: mods that read b get it through a shifted closure.
+        o, l = reference_attention(
+            q[b : b + 1], k, v, score_mod, mask_mod and _at_batch(mask_mod, b), enable_gqa=True
+        )
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _at_batch(mask, b):
+    return lambda _b, h, q_idx, kv_idx: mask(_b + b, h, q_idx, kv_idx)
+
+
+@pytest.mark.parametrize("backend", ["triton", "tiled"])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_paged_against_reference(backend, page_size):
+    lens = [37, 0, 64, 5]  # a partial last page, an empty sequence, a full one
+    q, kp, vp, table, kv_lens, dense = _paged_problem(lens, page_size)
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    window = flexfa.masks.sliding_window(20, causal=False)
+    out, lse = flexfa.attention(
+        q.to(dtype), kp.to(dtype), vp.to(dtype), flexfa.mods.alibi, window,
+        page_table=table, kv_lens=kv_lens, enable_gqa=True, return_lse=True, backend=backend,
+    )  # fmt: skip
+    ref, ref_lse = _paged_reference(q, dense, flexfa.mods.alibi, window)
+    eager, eager_lse = _paged_reference(q.float().double(), dense, flexfa.mods.alibi, window)
+    check = ThreeWay(dtype)
+    check("out", out, eager.to(dtype), ref)
+    check("lse", lse.double(), eager_lse, ref_lse)
+    check.assert_ok()
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()  # the empty sequence
+
+
+def test_paged_pages_smaller_than_a_tile():
+    """Page size 16 under 32-key tiles: each column finds its own page."""
+    lens = [45, 18]
+    q, kp, vp, table, kv_lens, dense = _paged_problem(lens, 16, len_q=2)
+    out = flexfa.attention(
+        q.float(), kp.float(), vp.float(), page_table=table, kv_lens=kv_lens, enable_gqa=True,
+        backend="triton", kernel_options={"decode_block_n": 32, "decode_splits": 2},
+    )  # fmt: skip
+    ref, _ = _paged_reference(q, dense, None, None)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_mods_see_logical_positions_and_batch():
+    """A key-padding mask written for a contiguous cache works unchanged on pages."""
+    lens = [40, 21]
+    q, kp, vp, table, kv_lens, dense = _paged_problem(lens, 16, len_q=2)
+    keep = torch.tensor([30, 7], dtype=torch.int32)
+
+    def padding(b, h, q_idx, kv_idx):
+        return kv_idx < keep[b]
+
+    for backend, dtype in (("triton", torch.float32), ("tiled", torch.float64)):
+        out = flexfa.attention(
+            q.to(dtype), kp.to(dtype), vp.to(dtype), block_mask=padding,
+            page_table=table, kv_lens=kv_lens, enable_gqa=True, backend=backend,
+        )  # fmt: skip
+        ref, _ = _paged_reference(q, dense, None, padding)
+        torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_paged_errors_are_clear():
+    q, kp, vp, table, kv_lens, _ = _paged_problem([20, 9], 16)
+    call = dict(enable_gqa=True, backend="tiled")
+    bad = table.clone()
+    bad[1, 0] = kp.shape[0]
+    with pytest.raises(ValueError, match=r"page_table\[1, 0\]"):
+        flexfa.attention(q, kp, vp, page_table=bad, kv_lens=kv_lens, **call)
+    with pytest.raises(ValueError, match=r"kv_lens\[0\]"):
+        flexfa.attention(
+            q, kp, vp, page_table=table, kv_lens=torch.tensor([99, 1], dtype=torch.int32), **call
+        )
+    with pytest.raises(ValueError, match="int32"):
+        flexfa.attention(q, kp, vp, page_table=table.long(), kv_lens=kv_lens, **call)
+    with pytest.raises(ValueError, match="both page_table and kv_lens"):
+        flexfa.attention(q, kp, vp, page_table=table, **call)
+    with pytest.raises(ValueError, match="inference"):
+        flexfa.attention(q.requires_grad_(), kp, vp, page_table=table, kv_lens=kv_lens, **call)
+
+
+def test_paged_kv_cache_decode_loop():
+    """Prefill, token-by-token appends across page boundaries, a freed and reused slot."""
+    g = torch.Generator().manual_seed(3)
+    B, Hkv, Hq, E, P = 2, 2, 4, 16, 16
+    cache = flexfa.PagedKVCache(num_pages=12, batch=B, heads_kv=Hkv, page_size=P, head_dim=E)
+    ks = [torch.randn(1, Hkv, 0, E) for _ in range(B)]
+    vs = [torch.randn(1, Hkv, 0, E) for _ in range(B)]
+
+    def step(tokens, seqs):
+        k = torch.randn(len(seqs), Hkv, tokens, E, generator=g)
+        v = torch.randn(len(seqs), Hkv, tokens, E, generator=g)
+        cache.append(k, v, seqs)
+        for i, s in enumerate(seqs):
+            ks[s] = torch.cat([ks[s], k[i : i + 1]], 2)
+            vs[s] = torch.cat([vs[s], v[i : i + 1]], 2)
+
+    step(14, [0, 1])
+    for _ in range(4):
+        step(1, [0, 1])
+    cache.free(1)
+    ks[1], vs[1] = ks[1][:, :, :0], vs[1][:, :, :0]
+    step(3, [1])
+    assert cache.kv_lens.tolist() == [18, 3] and cache.pages_in_use == 3
+    q = torch.randn(B, Hq, 1, E, generator=g)
+    for backend in ("tiled", "triton"):
+        out = cache.attention(q, enable_gqa=True, backend=backend)
+        for b in range(B):
+            ref, _ = reference_attention(q[b : b + 1], ks[b], vs[b], enable_gqa=True)
+            torch.testing.assert_close(out[b : b + 1], ref.float(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="out of pages"):
+        cache.reserve(0, 170)
