@@ -1,0 +1,120 @@
+"""The "fa4" backend: flexfa's generated mods inside FlashAttention-4's CuTe DSL kernels.
+
+FA4's kernels are templates that take a score_mod, a mask_mod and a score_mod backward as CuTe DSL
+functions; flexfa generates them from the IR (flexfa/codegen/cute), proves where the mask is FA4's
+native causal or sliding window, and adds gradients of captured tensors, which FA4 alone does not
+compute. Needs the optional extra: `pip install "flexfa[fa4]"` (flash-attn-4 and the CuTe DSL).
+
+This module imports neither: `supports` reads package metadata only, and `run` imports them on the
+first call. `backend="auto"` does not pick "fa4" yet; ask for it with `backend="fa4"`.
+
+>>> import torch, flexfa
+>>> q = k = v = torch.randn(1, 1, 16, 16)
+>>> "fa4: no" in flexfa.explain_backend(q, k, v)
+True
+"""
+
+from __future__ import annotations
+
+import functools
+from importlib import metadata
+
+import torch
+
+from flexfa.backends.base import Backend, Support, register
+from flexfa.spec import AttentionSpec
+
+# The versions this backend was written and tested against (the extra in pyproject.toml pins them).
+TESTED_FA4 = "4.0.0b36"
+_DTYPES = (torch.float16, torch.bfloat16)
+# dtypes FA4 accepts as aux tensors (bool captures travel as uint8).
+_CAPTURE_DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int32,
+    torch.int64,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def missing_package() -> str | None:
+    """Why FA4 cannot run here, or None (from package metadata: nothing is imported)."""
+    for dist in ("flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return f"{dist} is not installed (pip install 'flexfa[fa4]')"
+    return None
+
+
+def head_dims_supported(head_dim: int, head_dim_v: int, arch_major: int) -> str | None:
+    """FA4's head-dim rule for the arch (its `_validate_head_dims`), or None when supported."""
+    if head_dim % 8 or head_dim_v % 8:
+        return f"FA4 needs head dims divisible by 8, got {head_dim} and {head_dim_v}"
+    if arch_major == 9:
+        if not (8 <= head_dim <= 256 and 8 <= head_dim_v <= 256):
+            return f"FA4 on sm90 takes head dims 8..256, got {head_dim} and {head_dim_v}"
+        return None
+    standard = head_dim <= 128 and head_dim_v <= 128
+    if standard or (head_dim, head_dim_v) in ((192, 128), (256, 256)):
+        return None
+    return (
+        f"FA4 on sm100 takes head dims up to 128, (192, 128) or (256, 256); "
+        f"got ({head_dim}, {head_dim_v})"
+    )
+
+
+class Fa4Backend(Backend):
+    name = "fa4"
+    # Not considered by "auto": it is chosen explicitly until measured plans rank it.
+    auto_device_types = frozenset()
+
+    def supports(self, spec: AttentionSpec) -> Support:
+        missing = missing_package()
+        if missing is not None:
+            return Support.no(missing)
+        if spec.device.type != "cuda":
+            return Support.no(f"FA4 runs on CUDA GPUs only, not {spec.device.type}")
+        major, minor = torch.cuda.get_device_capability(spec.device)
+        if major not in (9, 10, 11):
+            return Support.no(
+                f"flexfa runs FA4 on sm90 (Hopper) and sm100/sm110 (Blackwell), not sm{major}{minor}"
+            )
+        if spec.dtype not in _DTYPES:
+            return Support.no(f"FA4 takes float16 or bfloat16 inputs, got {spec.dtype}")
+        bad_dims = head_dims_supported(spec.head_dim, spec.head_dim_v, major)
+        if bad_dims is not None:
+            return Support.no(bad_dims)
+        if spec.kernel_options:
+            return Support.no(
+                f"the fa4 backend takes no kernel_options, got {sorted(spec.kernel_options)}"
+            )
+        for traced in (spec.score_mod, spec.mask):
+            if traced is None:
+                continue
+            for cap, t in zip(traced.captures, traced.tensors):
+                if t.dtype not in _CAPTURE_DTYPES:
+                    return Support.no(
+                        f"{traced.kind} {traced.name!r} captures {cap.name!r} of dtype {t.dtype}, "
+                        "which FA4's aux tensors cannot carry"
+                    )
+        if spec.deterministic and spec.score_grad_slots:
+            return Support.no(
+                "deterministic=True is not honoured for gradients of captured tensors on fa4 "
+                "(float32 atomic adds in an unfixed order); use the triton backend"
+            )
+        return Support.yes()
+
+    def run(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        from flexfa.codegen.cute import backend
+
+        return backend.run(spec, q, k, v)
+
+
+register(Fa4Backend())

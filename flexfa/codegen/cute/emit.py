@@ -1,0 +1,418 @@
+"""IR -> CuTe DSL: each traced mod becomes a named `@cute.jit` function in FlashAttention-4's hook
+signatures, so that FA4's own kernel templates compile it in.
+
+Signatures (fixed by FA4; its kernels call the functions positionally):
+
+    score_mod      <name>(score_ssa, b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors)
+                                                                        -> new score (TensorSSA)
+    mask_mod       <name>(b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors)  -> bool (TensorSSA)
+    score_mod_bwd  <name>(grad_ssa, score_ssa, b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors)
+                                                           -> grad * d new_score / d score (TensorSSA)
+
+The arguments are TensorSSA vectors of a length FA4 picks per kernel (1 to 4): for each element,
+the body reads the scalars, computes in scalars (one SSA line per IR node, named t0, t1, ..., as
+in the Triton backend) and stores the result; the function returns the results as a vector. `score` is the scaled
+score (FA4 multiplies by softmax_scale before calling the mod, which is flexfa's semantics too).
+
+Captured tensors arrive in `aux_tensors`, in a fixed order (`AuxLayout`): the score_mod's captures,
+then the mask_mod's, then one float32 gradient buffer per score_mod capture that needs a gradient.
+FA4 passes the same list to every hook, so each function reads its own entries by position.
+
+# Note [Constants in generated CuTe source]
+# Every constant of the IR is printed by `Constants.literal`, and nowhere else. Today it prints a
+# typed literal (`cutlass.Float32(0.125)`). When the frontend lifts Python scalars out of the IR
+# (mods that differ only in a float constant share one compile), `Constants` is the one place that
+# maps a lifted constant to `aux_scalars[i]` (FA4 passes runtime scalars to the hooks after
+# `aux_tensors`); the functions' bodies need no other change.
+#
+# Note [Captured gradients in the FA4 backward]
+# d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
+# FA4 calls `score_mod_bwd` once per score element, so the generated function adds its contribution
+# with one float32 atomic add into the capture's gradient buffer (an aux tensor), skipping zeros:
+# pairs the mask or the sequence end excludes have `grad == 0` and cost no atomic. The order of the
+# adds is not fixed, so these gradients are not bitwise repeatable; the backend refuses
+# `deterministic=True` when a captured tensor needs a gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flexfa.frontend.trace import TracedMod
+from flexfa.ir.autodiff import ScoreModGradient
+from flexfa.ir.dtypes import DType
+from flexfa.ir.nodes import Capture, Node, Op, toposort
+
+CUTE_DTYPE = {
+    DType.BOOL: "cutlass.Boolean",
+    DType.INT32: "cutlass.Int32",
+    DType.INT64: "cutlass.Int64",
+    DType.FLOAT16: "cutlass.Float16",
+    DType.BFLOAT16: "cutlass.BFloat16",
+    DType.FLOAT32: "cutlass.Float32",
+    DType.FLOAT64: "cutlass.Float64",
+}
+
+_MATH = {
+    Op.EXP: "cute.math.exp",
+    Op.EXP2: "cute.math.exp2",
+    Op.LOG: "cute.math.log",
+    Op.LOG2: "cute.math.log2",
+    Op.SQRT: "cute.math.sqrt",
+    Op.RSQRT: "cute.math.rsqrt",
+    Op.TANH: "cute.math.tanh",
+    Op.SIN: "cute.math.sin",
+    Op.COS: "cute.math.cos",
+    Op.FLOOR: "cute.math.floor",
+    Op.CEIL: "cute.math.ceil",
+}
+_INFIX = {
+    Op.ADD: "+",
+    Op.SUB: "-",
+    Op.MUL: "*",
+    Op.TRUEDIV: "/",
+    Op.LT: "<",
+    Op.LE: "<=",
+    Op.EQ: "==",
+    Op.NE: "!=",
+    Op.AND: "&",
+    Op.OR: "|",
+    Op.XOR: "^",
+}
+
+# The FA4 hooks' fixed parameters (FA4 passes q_idx, kv_idx, seqlen_info and aux_tensors by
+# keyword), and for each mod variable: the scalar its element 0 is read into, and the parameter.
+SCORE_MOD_PARAMS = ("score_ssa", "b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors")
+MASK_MOD_PARAMS = ("b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors")
+SCORE_MOD_BWD_PARAMS = ("grad_ssa", *SCORE_MOD_PARAMS)
+_SCALAR_OF = {
+    "score": ("score", "score_ssa"),
+    "b": ("b", "b_idx"),
+    "h": ("h", "h_idx"),
+    "q_idx": ("q", "q_idx"),
+    "kv_idx": ("kv", "kv_idx"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class AuxLayout:
+    """Positions in FA4's `aux_tensors` list: score_mod captures, mask_mod captures, then the
+    gradient buffers of the score_mod captures in `grad_slots` (slot order)."""
+
+    score_captures: int
+    mask_captures: int
+    grad_slots: tuple[int, ...]
+
+    @staticmethod
+    def of(
+        score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
+    ) -> AuxLayout:
+        return AuxLayout(
+            score_captures=len(score.captures) if score is not None else 0,
+            mask_captures=len(mask.captures) if mask is not None else 0,
+            grad_slots=tuple(sorted(grad_slots)),
+        )
+
+    def score_capture(self, slot: int) -> int:
+        return slot
+
+    def mask_capture(self, slot: int) -> int:
+        return self.score_captures + slot
+
+    def grad_buffer(self, slot: int) -> int:
+        return self.score_captures + self.mask_captures + self.grad_slots.index(slot)
+
+    @property
+    def size(self) -> int:
+        return self.score_captures + self.mask_captures + len(self.grad_slots)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModSource:
+    """A rendered CuTe DSL function: its name and full source."""
+
+    name: str
+    source: str
+
+
+class Constants:
+    """Where every IR constant's text comes from (Note [Constants in generated CuTe source])."""
+
+    def literal(self, node: Node) -> str:
+        v = node.arg
+        if node.dtype.is_bool:
+            return f"cutlass.Boolean({bool(v)})"
+        if node.dtype.is_int:
+            return f"{CUTE_DTYPE[node.dtype]}({v})"
+        if math.isnan(v):
+            text = 'float("nan")'
+        elif math.isinf(v):
+            text = 'float("inf")' if v > 0 else '-float("inf")'
+        else:
+            text = repr(v)
+        return f"{CUTE_DTYPE[node.dtype]}({text})"
+
+
+def provably_nonnegative(node: Node) -> bool:
+    """A cheap sufficient check that an integer expression is >= 0 (indices, lengths, ...)."""
+    op = node.op
+    if op is Op.VAR:
+        return node.arg in ("b", "h", "q_idx", "kv_idx")
+    if op is Op.CONST:
+        return not node.dtype.is_bool and node.arg >= 0
+    if op in (Op.ADD, Op.MUL, Op.MIN, Op.FLOORDIV, Op.MOD):
+        return all(provably_nonnegative(s) for s in node.srcs)
+    if op is Op.MAX:
+        return any(provably_nonnegative(s) for s in node.srcs)
+    if op is Op.WHERE:
+        return all(provably_nonnegative(s) for s in node.srcs[1:])
+    if op is Op.CAST and node.dtype.is_int and node.srcs[0].dtype.is_int:
+        return provably_nonnegative(node.srcs[0])
+    return op is Op.CAST and node.srcs[0].dtype.is_bool
+
+
+class _Body:
+    """Emits scalar SSA lines for a set of roots; constants and parameters are inlined."""
+
+    def __init__(self, aux_index: dict[int, int], constants: Constants) -> None:
+        self.aux_index = aux_index  # capture slot -> position in aux_tensors
+        self.constants = constants
+        self.names: dict[int, str] = {}
+        self.lines: list[str] = []
+        self.reads: set[str] = set()
+        self._keep: list[Node] = []
+
+    def name(self, node: Node) -> str:
+        return self.names[id(node)]
+
+    def emit(self, roots: list[Node]) -> None:
+        for n in toposort(roots):
+            if id(n) in self.names:
+                continue
+            self._keep.append(n)
+            if n.op is Op.CONST:
+                self.names[id(n)] = self.constants.literal(n)
+            elif n.op is Op.VAR:
+                self.reads.add(n.arg)
+                self.names[id(n)] = _SCALAR_OF[n.arg][0]
+            elif n.op is Op.CAPTURE:
+                self.names[id(n)] = f"aux_tensors[{self.aux_index[n.arg.slot]}]"
+            else:
+                tmp = f"t{len(self.lines)}"
+                self.lines.append(f"{tmp} = {self._expr(n)}")
+                self.names[id(n)] = tmp
+
+    def _expr(self, n: Node) -> str:
+        op = n.op
+        a = [self.name(s) for s in n.srcs]
+        if op is Op.LOAD:
+            return self._load(n)
+        if op is Op.CAST:
+            if n.dtype.is_bool:
+                return f"{a[0]} != 0"
+            if n.srcs[0].dtype.is_bool:
+                return f"flexfa_select({a[0]}, {_one(n.dtype)}, {_zero(n.dtype)})"
+            return f"{a[0]}.to({CUTE_DTYPE[n.dtype]})"
+        if op is Op.NEG:
+            return f"-{a[0]}"
+        if op is Op.NOT:
+            if n.dtype.is_bool:
+                return f"flexfa_select({a[0]}, cutlass.Boolean(False), cutlass.Boolean(True))"
+            return f"~{a[0]}"
+        if op is Op.ABS:
+            return f"flexfa_select({a[0]} < {_zero(n.dtype)}, -{a[0]}, {a[0]})"
+        if op is Op.SIGN:
+            zero, one = _zero(n.dtype), _one(n.dtype)
+            return (
+                f"flexfa_select({a[0]} > {zero}, {one}, "
+                f"flexfa_select({a[0]} < {zero}, -{one}, {zero}))"
+            )
+        if op is Op.SIGMOID:
+            return f"{_one(n.dtype)} / ({_one(n.dtype)} + cute.math.exp(-{a[0]}))"
+        if op in _MATH:
+            return f"{_MATH[op]}({a[0]})"
+        if op in _INFIX:
+            return f"{a[0]} {_INFIX[op]} {a[1]}"
+        if op is Op.MIN:
+            return f"flexfa_select({a[1]} < {a[0]}, {a[1]}, {a[0]})"
+        if op is Op.MAX:
+            return f"flexfa_select({a[0]} < {a[1]}, {a[1]}, {a[0]})"
+        if op is Op.WHERE:
+            return f"flexfa_select({a[0]}, {a[1]}, {a[2]})"
+        if op is Op.POW:
+            return self._pow(n, a)
+        if op is Op.FLOORDIV:
+            if n.dtype.is_float:
+                return f"cute.math.floor({a[0]} / {a[1]})"
+            if all(provably_nonnegative(s) for s in n.srcs):
+                return f"{a[0]} // {a[1]}"  # truncation equals floor for non-negative operands
+            return f"flexfa_floordiv({a[0]}, {a[1]})"
+        if op is Op.MOD:
+            if n.dtype.is_float:
+                return f"{a[0]} - cute.math.floor({a[0]} / {a[1]}) * {a[1]}"
+            if all(provably_nonnegative(s) for s in n.srcs):
+                return f"{a[0]} % {a[1]}"
+            return f"flexfa_floormod({a[0]}, {a[1]})"
+        raise NotImplementedError(f"no CuTe DSL lowering for {op}")  # pragma: no cover
+
+    def _pow(self, n: Node, a: list[str]) -> str:
+        exponent, base = n.srcs[1], n.srcs[0]
+        if n.dtype.is_float and exponent.op is Op.CONST:
+            e = float(exponent.arg)
+            if e == 2.0:
+                return f"{a[0]} * {a[0]}"
+            return f"flexfa_pow_const({a[0]}, {e!r}, {e.is_integer()}, {e.is_integer() and int(e) % 2 == 1})"
+        if n.dtype.is_float and base.op is Op.CONST and base.arg > 0:
+            return f"cute.math.exp2({_f32(math.log2(base.arg))} * {a[1]})"
+        if n.dtype.is_float:
+            return f"flexfa_pow({a[0]}, {a[1]})"
+        # Integer powers go through float and round back (exact below 2**24).
+        return (
+            f"cute.math.floor(flexfa_pow({a[0]}.to(cutlass.Float32), {a[1]}.to(cutlass.Float32))"
+            f" + cutlass.Float32(0.5)).to({CUTE_DTYPE[n.dtype]})"
+        )
+
+    def _load(self, n: Node) -> str:
+        """A guarded read of a captured tensor (Note [Loads out of bounds] in flexfa/ir/evaluate.py):
+        indices are clamped into range for the read, and an out-of-range index yields 0."""
+        cap: Capture = n.srcs[0].arg
+        t = f"aux_tensors[{self.aux_index[cap.slot]}]"
+        idx = [self.name(s) for s in n.srcs[1:]]
+        if not idx:  # 0-d captures travel as one-element vectors (see launch.aux_tensor)
+            idx = ["cutlass.Int32(0)"]
+            nodes: list[Node | None] = [None]
+        else:
+            nodes = list(n.srcs[1:])
+        clamped, guards = [], []
+        for d, (node, i) in enumerate(zip(nodes, idx)):
+            size = f"{t}.shape[{d}]"
+            if node is None:
+                clamped.append(i)
+                continue
+            lo_ok = node is not None and provably_nonnegative(node)
+            clamped.append(f"flexfa_clamp({i}, {size})")
+            guards.append(f"({i} < {size})" if lo_ok else f"({i} >= 0) & ({i} < {size})")
+        coord = clamped[0] if len(clamped) == 1 else "(" + ", ".join(clamped) + ")"
+        value = f"{t}[{coord}]"
+        value = f"({value} != 0)" if n.dtype.is_bool else f"{value}.to({CUTE_DTYPE[n.dtype]})"
+        if not guards:
+            return value
+        return f"flexfa_select({' & '.join(guards)}, {value}, {_zero(n.dtype)})"
+
+
+def _zero(dtype: DType) -> str:
+    if dtype.is_bool:
+        return "cutlass.Boolean(False)"
+    return f"{CUTE_DTYPE[dtype]}({'0.0' if dtype.is_float else '0'})"
+
+
+def _one(dtype: DType) -> str:
+    if dtype.is_bool:
+        return "cutlass.Boolean(True)"
+    return f"{CUTE_DTYPE[dtype]}({'1.0' if dtype.is_float else '1'})"
+
+
+def _f32(x: float) -> str:
+    return f"cutlass.Float32({x!r})"
+
+
+def _reads(body: _Body, names: tuple[str, ...]) -> list[str]:
+    """`x = x_param[i]` for each mod parameter the body reads, in the signature's order."""
+    return [f"{_SCALAR_OF[v][0]} = {_SCALAR_OF[v][1]}[i]" for v in names if v in body.reads]
+
+
+def _function(
+    name: str,
+    params: tuple[str, ...],
+    first: str,
+    lines: list[str],
+    result: str,
+    dtype: str,
+    doc: str,
+) -> str:
+    """A hook: for each element i of the argument vectors (FA4 chooses their length, e.g. 2 in
+    the forward and 4 in the backward), the scalar body, then the results as one vector."""
+    sig = ", ".join(params)
+    head = f"@cute.jit\ndef {name}({sig}):"
+    if len(head) > 100:
+        joined = ",\n".join(f"    {p}" for p in params)
+        head = f"@cute.jit\ndef {name}(\n{joined},\n):"
+    body = "\n".join(f"        {line}" for line in lines)
+    return (
+        f'{head}\n    """{doc}"""\n'
+        f"    n = cutlass.const_expr(cute.size({first}.shape))\n"
+        f"    result = cute.make_rmem_tensor(n, {dtype})\n"
+        f"    for i in cutlass.range_constexpr(n):\n"
+        f"{body}\n"
+        f"        result[i] = {result}\n"
+        f"    return result.load()\n"
+    )
+
+
+_VAR_ORDER = ("score", "b", "h", "q_idx", "kv_idx")
+
+
+def _aux_index(traced: TracedMod, aux: AuxLayout) -> dict[int, int]:
+    place = aux.score_capture if traced.kind == "score_mod" else aux.mask_capture
+    return {c.slot: place(c.slot) for c in traced.captures}
+
+
+def emit_mod(
+    traced: TracedMod, fn_name: str, aux: AuxLayout, constants: Constants | None = None
+) -> ModSource:
+    """The forward hook of a score_mod (`score_mod`) or mask_mod (`mask_mod`)."""
+    body = _Body(_aux_index(traced, aux), constants or Constants())
+    body.emit([traced.output])
+    ret = body.name(traced.output)
+    lines = [*_reads(body, _VAR_ORDER), *body.lines]
+    doc = f"{traced.kind} {traced.name!r}, traced by flexfa."
+    if traced.kind == "score_mod":
+        source = _function(
+            fn_name, SCORE_MOD_PARAMS, "score_ssa", lines, ret, "cutlass.Float32", doc
+        )
+    else:
+        source = _function(fn_name, MASK_MOD_PARAMS, "q_idx", lines, ret, "cutlass.Boolean", doc)
+    return ModSource(fn_name, source)
+
+
+def emit_score_mod_bwd(
+    traced: TracedMod,
+    grad: ScoreModGradient,
+    fn_name: str,
+    aux: AuxLayout,
+    constants: Constants | None = None,
+) -> ModSource:
+    """The `score_mod_bwd` hook, from flexfa's autodiff (never written by hand): it returns
+    grad * d score_mod / d score and adds the captured tensors' gradients into their buffers
+    (Note [Captured gradients in the FA4 backward])."""
+    body = _Body(_aux_index(traced, aux), constants or Constants())
+    loads = [g for g in grad.loads if g.slot in aux.grad_slots]
+    body.emit([grad.d_score, *(g.d_load for g in loads), *(i for g in loads for i in g.indices)])
+    lines = ["grad = grad_ssa[i]", *_reads(body, _VAR_ORDER), *body.lines]
+    for j, g in enumerate(loads):
+        lines.extend(_scatter_lines(j, g.load, g.d_load, body, aux))
+    d = grad.d_score
+    ret = "grad" if d.op is Op.CONST and d.arg == 1.0 else f"grad * {body.name(d)}"
+    doc = f"gradient of score_mod {traced.name!r} (derived by flexfa's autodiff)."
+    source = _function(
+        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", lines, ret, "cutlass.Float32", doc
+    )
+    return ModSource(fn_name, source)
+
+
+def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> list[str]:
+    cap: Capture = load.srcs[0].arg
+    buf = f"aux_tensors[{aux.grad_buffer(cap.slot)}]"
+    idx = [body.name(s) for s in load.srcs[1:]] or ["cutlass.Int32(0)"]
+    guards = [f"({ix} < {buf}.shape[{d}])" for d, ix in enumerate(idx)]
+    guards += [
+        f"({ix} >= 0)" for ix, node in zip(idx, load.srcs[1:]) if not provably_nonnegative(node)
+    ]
+    coord = idx[0] if len(idx) == 1 else "(" + ", ".join(idx) + ")"
+    c = "grad" if d_load.op is Op.CONST and d_load.arg == 1.0 else f"grad * {body.name(d_load)}"
+    return [
+        f"c{i} = ({c}).to(cutlass.Float32)",
+        f"if (c{i} != cutlass.Float32(0.0)) & {' & '.join(guards)}:",
+        f"    flexfa_atomic_add(c{i}, {buf}, {coord})",
+    ]

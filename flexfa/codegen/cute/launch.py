@@ -1,0 +1,111 @@
+"""Calls of FlashAttention-4's forward and backward with flexfa's generated hooks.
+
+flexfa's layout is (batch, heads, len, dim); FA4's is (batch, len, heads, dim). The transposes
+below are views (FA4 reads any strides with a contiguous last dim), so no copy is made. Outputs
+come back as views in flexfa's layout.
+
+These functions import flash_attn; only the "fa4" backend and export call them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+
+from flexfa.codegen.cute.emit import AuxLayout
+from flexfa.codegen.cute.plan import MaskLowering
+
+
+@dataclasses.dataclass(frozen=True)
+class Hooks:
+    """The generated functions FA4 receives for one call (None where unused)."""
+
+    score_mod: Callable | None
+    score_mod_bwd: Callable | None
+    mask_mod: Callable | None
+    aux: AuxLayout
+
+
+def aux_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A captured tensor as FA4 can take it: 0-d tensors become one-element vectors (the
+    generated code reads element 0), bool tensors become uint8 (read back as `!= 0`)."""
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    if t.ndim == 0:
+        t = t.reshape(1)
+    return t.detach()
+
+
+def _fa4_layout(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(1, 2)
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    lowering: MaskLowering,
+    hooks: Hooks,
+    aux_tensors: list[torch.Tensor],
+    arch: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA4's forward. Returns (out in flexfa's layout, lse [B, H, Lq] natural log, out in FA4's
+    layout for the backward)."""
+    from flash_attn.cute.interface import _flash_attn_fwd
+
+    out, lse, *_ = _flash_attn_fwd(
+        _fa4_layout(q),
+        _fa4_layout(k),
+        _fa4_layout(v),
+        softmax_scale=scale,
+        score_mod=hooks.score_mod,
+        mask_mod=hooks.mask_mod if not lowering.native else None,
+        aux_tensors=aux_tensors or None,
+        return_lse=True,
+        _arch=arch,
+        **lowering.fa4_kwargs(),
+    )
+    return out.transpose(1, 2), lse, out
+
+
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out_fa4: torch.Tensor,
+    dout: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    *,
+    scale: float,
+    lowering: MaskLowering,
+    hooks: Hooks,
+    aux_tensors: list[torch.Tensor],
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
+    Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
+    in place (Note [Captured gradients in the FA4 backward] in emit.py)."""
+    from flash_attn.cute.interface import _flash_attn_bwd
+
+    dq, dk, dv = _flash_attn_bwd(
+        _fa4_layout(q),
+        _fa4_layout(k),
+        _fa4_layout(v),
+        out_fa4,
+        _fa4_layout(dout),
+        lse,
+        softmax_scale=scale,
+        deterministic=deterministic,
+        score_mod=hooks.score_mod,
+        score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
+        mask_mod=hooks.mask_mod if not lowering.native else None,
+        aux_tensors=aux_tensors or None,
+        dlse=dlse,
+        **lowering.fa4_kwargs(),
+    )[:3]
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

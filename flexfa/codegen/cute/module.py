@@ -1,0 +1,187 @@
+"""Rendering, caching and loading generated CuTe DSL modules (the mods of FA4's hooks).
+
+# Note [CuTe compile cache]
+# As for the Triton backend (Note [Compile cache] in flexfa/codegen/triton/module.py), flexfa keeps
+# the rendered source of each module, keyed by `ModuleKey` (mods' IR digests, the captures that
+# need gradients, a hash of the template and emitter, and the flexfa / flash-attn-4 / CuTe DSL /
+# torch versions), in memory and on disk under `FLEXFA_CACHE_DIR/cute/<digest>/mods.py`. FA4 then
+# compiles its kernels with these hooks and caches them itself, keyed by a hash of each hook's
+# source, the tile configuration, dtypes, head dims and arch. Because a module's source is
+# byte-identical across processes, FA4's optional disk cache (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED)
+# hits for it in a later process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import threading
+import types
+from pathlib import Path
+
+import jinja2
+
+from flexfa.codegen.cute import emit
+from flexfa.codegen.triton.module import atomic_write, import_file
+from flexfa.config import config
+from flexfa.frontend.trace import TracedMod
+
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+TEMPLATE = "mods.py.jinja"
+
+_modules: dict[str, types.ModuleType] = {}
+_lock = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleKey:
+    """What a generated CuTe module depends on."""
+
+    score_mod: str | None
+    mask_mod: str | None
+    grad_slots: tuple[int, ...]
+    templates: str
+    versions: tuple[str, ...]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        text = json.dumps(dataclasses.asdict(self), sort_keys=True)
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def templates_digest() -> str:
+    h = hashlib.sha256()
+    for path in (TEMPLATE_DIR / TEMPLATE, Path(emit.__file__)):
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def versions() -> tuple[str, ...]:
+    """flexfa, flash-attn-4, CuTe DSL and torch versions (package metadata: imports nothing)."""
+    from importlib import metadata
+
+    import torch
+
+    from flexfa import __version__
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "none"
+
+    return (__version__, version("flash-attn-4"), version("nvidia-cutlass-dsl"), torch.__version__)
+
+
+def module_key(
+    score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
+) -> ModuleKey:
+    return ModuleKey(
+        score_mod=score.key if score is not None else None,
+        mask_mod=mask.key if mask is not None else None,
+        grad_slots=tuple(sorted(grad_slots)),
+        templates=templates_digest(),
+        versions=versions(),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Rendered:
+    """The generated functions of one module and the module's source."""
+
+    score_mod: emit.ModSource | None
+    score_mod_bwd: emit.ModSource | None
+    mask_mod: emit.ModSource | None
+    aux: emit.AuxLayout
+    source: str
+
+
+@functools.lru_cache(maxsize=1)
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        autoescape=False,
+    )
+
+
+def _aux_doc(score: TracedMod | None, mask: TracedMod | None, aux: emit.AuxLayout) -> str:
+    entries = []
+    if score is not None:
+        entries += [f"[{aux.score_capture(c.slot)}] {c.name} (score_mod)" for c in score.captures]
+    if mask is not None:
+        entries += [f"[{aux.mask_capture(c.slot)}] {c.name} (mask_mod)" for c in mask.captures]
+    if score is not None:
+        entries += [
+            f"[{aux.grad_buffer(s)}] gradient of {score.captures[s].name} (float32)"
+            for s in aux.grad_slots
+        ]
+    return ", ".join(entries) or "none"
+
+
+def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]) -> Rendered:
+    """The generated module for these mods: helpers, then score_mod, score_mod_bwd, mask_mod."""
+    from flexfa import __version__
+
+    aux = emit.AuxLayout.of(score, mask, grad_slots)
+    constants = emit.Constants()
+    score_src = bwd_src = mask_src = None
+    if score is not None:
+        score_src = emit.emit_mod(score, f"score_mod_{score.name}", aux, constants)
+        grad = score.gradient(grad_slots)
+        bwd_src = emit.emit_score_mod_bwd(
+            score, grad, f"score_mod_bwd_{score.name}", aux, constants
+        )
+    if mask is not None:
+        mask_src = emit.emit_mod(mask, f"mask_mod_{mask.name}", aux, constants)
+    sm = score.name if score is not None else "none"
+    mm = mask.name if mask is not None else "none"
+    source = (
+        _environment()
+        .get_template(TEMPLATE)
+        .render(
+            flexfa_version=__version__,
+            summary=f"score_mod: {sm}; mask_mod: {mm}",
+            aux_doc=_aux_doc(score, mask, aux),
+            functions=[s.source for s in (score_src, bwd_src, mask_src) if s is not None],
+            score_mod_name=score_src.name if score_src else "None",
+            score_mod_bwd_name=bwd_src.name if bwd_src else "None",
+            mask_mod_name=mask_src.name if mask_src else "None",
+        )
+    )
+    return Rendered(score_src, bwd_src, mask_src, aux, source)
+
+
+def module_dir(key: ModuleKey) -> Path:
+    return config.cache_dir / "cute" / key.digest[:24]
+
+
+def load_module(
+    score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
+) -> tuple[ModuleKey, types.ModuleType]:
+    """The generated module for these mods, imported (this imports cutlass and flash_attn):
+    from memory, else from disk, else rendered now."""
+    key = module_key(score, mask, grad_slots)
+    with _lock:
+        module = _modules.get(key.digest)
+        if module is not None:
+            return key, module
+        directory = module_dir(key)
+        path = directory / "mods.py"
+        if not path.exists():
+            atomic_write(path, render(score, mask, grad_slots).source)
+            atomic_write(
+                directory / "key.json", json.dumps(dataclasses.asdict(key), indent=1) + "\n"
+            )
+        module = import_file(path, f"flexfa_cute_{key.digest[:24]}")
+        _modules[key.digest] = module
+        return key, module
+
+
+def clear_memory_cache() -> None:
+    with _lock:
+        _modules.clear()

@@ -1,0 +1,141 @@
+"""How a call's mask reaches FlashAttention-4: its native causal / sliding-window paths, or a
+generated mask_mod. Every native rewrite is proven from the mask's IR, never guessed.
+
+# Note [Native masks from the IR]
+# FA4's fastest paths are its own masks: none (full), causal, and a local window. They are
+# bottom-right aligned: with off = len_kv - len_q, the pair (q, kv) is allowed iff
+#     q + off - window_left <= kv <= q + off + window_right
+# (a missing bound is unbounded; causal is window_right = 0 with no left bound).
+# flexfa's tile analysis (Note [Tile analysis] in flexfa/blockmask/analysis.py) gives each IR node a
+# signature; a mask whose output has signature D and reads neither b nor h is a function of the
+# single integer d = q_idx - kv_idx. Its value is then evaluated exactly at every d the call can
+# see, from -(len_kv - 1) to len_q - 1 (one pair per d). If the allowed d form one contiguous run
+# [lo, hi], the mask is exactly `lo <= q_idx - kv_idx <= hi`, which is FA4's window with
+#     window_left  = hi + off   (None when hi = len_q - 1: no pair is cut on that side)
+#     window_right = -lo - off  (None when lo = -(len_kv - 1))
+# and "full" when both are None. A negative bound is legal arithmetic but not a shape FA4's block
+# scheduler is documented for, so such masks (e.g. causal with len_q < len_kv, whose top-left
+# alignment is not FA4's) keep the generated mask_mod. Anything else (masks of b or h, document
+# masks, prefix-LM, dilated windows) keeps the generated mask_mod too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import torch
+
+from flexfa.blockmask.analysis import _Static
+from flexfa.blockmask.block_mask import BlockSize
+from flexfa.blockmask.exact import evaluate_mask
+from flexfa.blockmask.grid import TileGrid
+from flexfa.blockmask.lines import Sig
+from flexfa.frontend.trace import TracedMod
+
+LoweringKind = Literal["full", "causal", "window", "mask_mod"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskLowering:
+    """How the mask of one call is passed to FA4, and why (`reason`, for explain and export)."""
+
+    kind: LoweringKind
+    window_left: int | None = None
+    window_right: int | None = None
+    reason: str = ""
+
+    @property
+    def native(self) -> bool:
+        return self.kind != "mask_mod"
+
+    def fa4_kwargs(self) -> dict:
+        """Keyword arguments of FA4's `_flash_attn_fwd` / `_flash_attn_bwd` for this mask."""
+        if self.kind == "causal":
+            return {"causal": True}
+        if self.kind == "window":
+            return {"window_size_left": self.window_left, "window_size_right": self.window_right}
+        return {}
+
+
+def allowed_distances(mask: TracedMod, len_q: int, len_kv: int) -> torch.Tensor | None:
+    """The mask's value at each d = q_idx - kv_idx in [-(len_kv - 1), len_q - 1] (bool, in that
+    order), or None when the mask is not proven to be a function of d alone."""
+    if mask.variables - {"q_idx", "kv_idx"}:
+        return None
+    grid = TileGrid(1, 1, len_q, len_kv, BlockSize(128, 128), torch.device("cpu"))
+    sig = _Static(mask.output, grid).sig[id(mask.output)]
+    if sig not in (Sig.D, Sig.NONE):
+        return None
+    device = mask.tensors[0].device if mask.tensors else torch.device("cpu")
+    d = torch.arange(-(len_kv - 1), len_q, device=device, dtype=torch.int64)
+    q = d.clamp(min=0)
+    kv = q - d  # one in-range pair per d: 0 <= q < len_q, 0 <= kv < len_kv
+    env = {
+        "b": torch.zeros((), dtype=torch.int32, device=device),
+        "h": torch.zeros((), dtype=torch.int32, device=device),
+        "q_idx": q.to(torch.int32),
+        "kv_idx": kv.to(torch.int32),
+    }
+    allowed = evaluate_mask(mask, env)
+    return torch.broadcast_to(allowed, d.shape).cpu()
+
+
+def lower_mask(mask: TracedMod | None, len_q: int, len_kv: int) -> MaskLowering:
+    """FA4's native path for `mask` at these lengths where it is proven equal, else mask_mod
+    (Note [Native masks from the IR]).
+
+    >>> from flexfa.frontend.trace import trace_mask_mod
+    >>> from flexfa import masks
+    >>> lower_mask(trace_mask_mod(masks.causal), 300, 300).kind
+    'causal'
+    >>> lower_mask(trace_mask_mod(masks.sliding_window(64)), 300, 300).fa4_kwargs()
+    {'window_size_left': 63, 'window_size_right': 0}
+    >>> lower_mask(trace_mask_mod(masks.prefix_lm(16)), 300, 300).kind
+    'mask_mod'
+    """
+    if mask is None or mask.is_trivially_true:
+        return MaskLowering("full", reason="no mask")
+    allowed = allowed_distances(mask, len_q, len_kv)
+    if allowed is None:
+        return MaskLowering("mask_mod", reason="the mask is not a function of q_idx - kv_idx")
+    hits = torch.nonzero(allowed).flatten()
+    if hits.numel() == 0:
+        return MaskLowering("mask_mod", reason="the mask allows no pair")
+    first, last = int(hits[0]), int(hits[-1])
+    if last - first + 1 != hits.numel():
+        return MaskLowering("mask_mod", reason="the allowed q_idx - kv_idx are not one run")
+    d_min, d_max = -(len_kv - 1), len_q - 1
+    lo, hi = d_min + first, d_min + last
+    off = len_kv - len_q
+    left = None if hi == d_max else hi + off
+    right = None if lo == d_min else -lo - off
+    proof = f"proven: allowed iff {lo} <= q_idx - kv_idx <= {hi}"
+    if left is None and right is None:
+        return MaskLowering("full", reason=f"{proof} (every pair)")
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return MaskLowering(
+            "mask_mod", reason=f"{proof}, but FA4's window would need a negative bound"
+        )
+    if left is None and right == 0:
+        return MaskLowering("causal", reason=proof)
+    return MaskLowering("window", left, right, reason=proof)
+
+
+def native_mask(lowering: MaskLowering, len_q: int, len_kv: int) -> torch.Tensor:
+    """The dense [len_q, len_kv] mask FA4's native path applies (for proofs in tests)."""
+    q = torch.arange(len_q).view(-1, 1)
+    kv = torch.arange(len_kv).view(1, -1)
+    off = len_kv - len_q
+    if lowering.kind == "full":
+        return torch.ones(len_q, len_kv, dtype=torch.bool)
+    if lowering.kind == "causal":
+        return kv <= q + off
+    if lowering.kind == "window":
+        ok = torch.ones(len_q, len_kv, dtype=torch.bool)
+        if lowering.window_left is not None:
+            ok &= kv >= q + off - lowering.window_left
+        if lowering.window_right is not None:
+            ok &= kv <= q + off + lowering.window_right
+        return ok
+    raise ValueError("a mask_mod lowering has no native mask")
