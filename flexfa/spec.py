@@ -65,6 +65,11 @@ class AttentionSpec:
         """Whether one K/V batch element serves every query batch element."""
         return self.batch_kv != self.batch
 
+    def kv_strides(self, t: torch.Tensor) -> tuple[int, ...]:
+        """K/V strides as kernels indexed by the query's batch read them: a broadcast K/V
+        (Note [K/V batch broadcast]) has batch stride 0."""
+        return (0 if self.kv_broadcast else t.stride(0), *t.stride()[1:])
+
     @property
     def mask(self) -> TracedMod:
         return self.block_mask.mask

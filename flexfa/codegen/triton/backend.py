@@ -82,12 +82,6 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
     return flags
 
 
-def _kv_strides(t: torch.Tensor, spec: AttentionSpec) -> tuple[int, ...]:
-    """K/V strides as the kernels indexed by the query's batch read them: a broadcast K/V
-    (Note [K/V batch broadcast] in spec.py) has batch stride 0."""
-    return (0 if spec.kv_broadcast else t.stride(0), *t.stride()[1:])
-
-
 def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -> list:
     if traced is None:
         return []
@@ -226,7 +220,7 @@ class Launcher:
         constexprs = self._kv_side_constexprs(cfg.block_m, cfg.block_n)
         args = [
             q, k, v, out, lse,
-            *q.stride(), *_kv_strides(k, spec), *_kv_strides(v, spec), *out.stride(),
+            *q.stride(), *spec.kv_strides(k), *spec.kv_strides(v), *out.stride(),
             lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
             Lq, Lkv, spec.heads_q, spec.group_size, spec.scale,
@@ -301,7 +295,7 @@ class Launcher:
         # pointer per such capture); CAPTURE_MODE=0 compiles the scatter out.
         dq_args = [
             q, k, v, dout, dq, lse, delta,
-            *q.stride(), *_kv_strides(k, spec), *_kv_strides(v, spec), *dout.stride(),
+            *q.stride(), *spec.kv_strides(k), *spec.kv_strides(v), *dout.stride(),
             *dq.stride(), lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
             Lq, Lkv, Hq, spec.group_size, spec.scale,

@@ -447,8 +447,8 @@ def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple
     G = spec.group_size
     args = [
         q, k, v, out, lse, out_part, lse_part, counters,
-        *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
-        *prep.lists_args, *page_args,
+        *q.stride(), *spec.kv_strides(k), *spec.kv_strides(v), *out.stride(), lse.stride(0),
+        lse.stride(1), *prep.lists_args, *page_args,
         spec.len_q, spec.len_kv, spec.heads_kv, G, spec.scale,
         *score_args, *prep.mask_args,
     ]  # fmt: skip
