@@ -276,3 +276,26 @@ def test_paged_kv_cache_decode_loop():
             torch.testing.assert_close(out[b : b + 1], ref.float(), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="out of pages"):
         cache.reserve(0, 170)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_decode_with_broadcast_kv(group, decode_calls):
+    """One K/V (batch 1) shared by every query batch element, read with batch stride 0."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 2 * group, 4, 16, generator=g)
+    k, v = (torch.randn(1, 2, 75, 16, generator=g) for _ in range(2))
+    causal = mask_mod("causal").build(Problem(batch=3, heads_q=2 * group).shape).fn
+    with torch.no_grad():
+        out, lse = flexfa.attention(
+            q, k, v, block_mask=causal, enable_gqa=group > 1, return_lse=True, backend="triton"
+        )
+    assert len(decode_calls) == 1 and decode_calls[0].kv_broadcast
+    kx, vx = (t.expand(3, -1, -1, -1) for t in (k, v))
+    out_e, lse_e = reference_attention(q, kx, vx, None, causal, enable_gqa=group > 1)
+    out_r, lse_r = reference_attention(
+        *(t.double() for t in (q, kx, vx)), None, causal, enable_gqa=group > 1
+    )
+    check = ThreeWay(torch.float32, context=f"decode broadcast K/V, group {group}")
+    check("out", out, out_e, out_r)
+    check("lse", lse, lse_e, lse_r)
+    check.assert_ok()
