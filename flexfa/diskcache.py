@@ -170,7 +170,8 @@ def _problem(path: Path) -> str | None:
         if st.st_uid != euid:
             return f"it is owned by another user (uid {st.st_uid})"
         if st.st_mode & 0o022:
-            return f"other users can write to it (mode {stat.S_IMODE(st.st_mode):o})"
+            mode = stat.S_IMODE(st.st_mode)
+            return f"other users can write to it (mode {mode:o}; `chmod go-w` makes it usable)"
     if not os.access(path, os.W_OK | os.X_OK):
         return "it is not writable"
     return None
