@@ -228,6 +228,31 @@ def test_what_runs_is_what_was_checked(cache, tmp_path, monkeypatch):
     assert "swapped" not in inspect.getsource(module)
 
 
+def test_triton_jit_reads_the_source_of_a_module_kept_in_memory(monkeypatch):
+    """Without a file, `@triton.jit` (compiled, as on a GPU) still gets the kernel's source."""
+    import triton
+
+    source = textwrap.dedent(
+        """\
+        import triton
+        import triton.language as tl
+
+
+        @triton.jit
+        def fill(x, N: tl.constexpr):
+            tl.store(x + tl.arange(0, N), 1.0)
+        """
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    module = diskcache.run_source(source, "<flexfa-generated test/fill>", "flexfa_test_fill")
+    try:
+        assert isinstance(module.fill, triton.runtime.jit.JITFunction)
+        assert module.fill.src.startswith("def fill(x, N: tl.constexpr):")
+        assert module.fill.starting_line_number == 5  # its decorator line
+    finally:
+        sys.modules.pop("flexfa_test_fill", None)
+
+
 # -- unusable and untrusted locations ------------------------------------------------------------
 
 
