@@ -270,10 +270,12 @@ def forget() -> None:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` atomically (a private temporary file, then a rename); raises
-    OSError. A non-directory where `path`'s directory should be is removed first."""
+    OSError. A file where `path`'s directory should be (not a directory, not a link) is removed
+    first."""
     parent = path.parent
     with contextlib.suppress(OSError):
-        if not stat.S_ISDIR(os.lstat(parent).st_mode):
+        mode = os.lstat(parent).st_mode
+        if not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
             os.unlink(parent)
     _make_private_dirs(parent)
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)

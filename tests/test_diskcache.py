@@ -169,10 +169,25 @@ def _damage(path: Path, how: str, marker: Path) -> str:
         path.unlink()
         path.mkdir()
         return "not a regular file"
+    if how == "entry_is_a_file":  # the module's directory replaced by a file
+        for f in path.parent.iterdir():
+            f.unlink()
+        path.parent.rmdir()
+        path.parent.write_bytes(original)
+        return "Not a directory"
     raise AssertionError(how)
 
 
-DAMAGE = ("garbage", "empty", "truncated", "foreign", "foreign_same_size", "symlink", "directory")
+DAMAGE = (
+    "garbage",
+    "empty",
+    "truncated",
+    "foreign",
+    "foreign_same_size",
+    "symlink",
+    "directory",
+    "entry_is_a_file",
+)
 CASES = [("attention", how) for how in DAMAGE] + [
     (kind, how) for kind in ("exact", "fused") for how in ("truncated", "foreign_same_size")
 ]
