@@ -506,6 +506,9 @@ class BackendInfo:
 
 @dataclasses.dataclass(frozen=True)
 class CacheInfo:
+    """Where the caches are (`location`) and what each backend's holds (`python -m flexfa cache
+    info` prints it)."""
+
     location: Location
     backends: tuple[BackendInfo, ...]
 
@@ -551,7 +554,11 @@ def _scan(backend: str, path: Path | None) -> BackendInfo:
 
 
 def info() -> CacheInfo:
-    """Where the caches are and what they hold, per backend."""
+    """Where the caches are and what they hold, per backend.
+
+    >>> {b.backend: b.entries for b in info().backends}  # doctest: +SKIP
+    {'blockmask': 2, 'cute': 0, 'triton': 12}
+    """
     loc = location()
     backends = tuple(
         _scan(b, loc.path / b if loc.path is not None else None) for b in sorted(BACKENDS)
@@ -561,7 +568,11 @@ def info() -> CacheInfo:
 
 def clear(backends: list[str] | None = None) -> list[Path]:
     """Remove the caches of `backends` (all by default) in the directory in use; returns the
-    directories removed. Only flexfa's own subdirectories are touched."""
+    directories removed. Only flexfa's own subdirectories are touched.
+
+    >>> clear(["blockmask"])  # doctest: +SKIP
+    [PosixPath('/home/me/.cache/flexfa/blockmask')]
+    """
     names = backends if backends else sorted(BACKENDS)
     for b in names:
         if b not in BACKENDS:
