@@ -170,7 +170,8 @@ def _problem(path: Path) -> str | None:
         if st.st_uid != euid:
             return f"it is owned by another user (uid {st.st_uid})"
         if st.st_mode & 0o022:
-            return f"other users can write to it (mode {stat.S_IMODE(st.st_mode):o})"
+            mode = stat.S_IMODE(st.st_mode)
+            return f"other users can write to it (mode {mode:o}; `chmod go-w` makes it usable)"
     if not os.access(path, os.W_OK | os.X_OK):
         return "it is not writable"
     return None
@@ -269,10 +270,12 @@ def forget() -> None:
 
 def atomic_write(path: Path, data: bytes) -> None:
     """Write `data` to `path` atomically (a private temporary file, then a rename); raises
-    OSError. A non-directory where `path`'s directory should be is removed first."""
+    OSError. A file where `path`'s directory should be (not a directory, not a link) is removed
+    first."""
     parent = path.parent
     with contextlib.suppress(OSError):
-        if not stat.S_ISDIR(os.lstat(parent).st_mode):
+        mode = os.lstat(parent).st_mode
+        if not stat.S_ISDIR(mode) and not stat.S_ISLNK(mode):
             os.unlink(parent)
     _make_private_dirs(parent)
     fd, tmp = tempfile.mkstemp(dir=parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
@@ -406,7 +409,11 @@ def load_generated(
     The cached file is used only if it is byte for byte what `render()` returns; anything else
     is discarded with a warning and written again. `key` (JSON data) is written next to it as
     `key.json` for people to read. Failures to read or write are warnings, never errors: the
-    module then runs from memory. Callers serialize calls for the same entry.
+    module then runs from memory. Threads and processes may load the same entry at once.
+
+    >>> loaded = load_generated("triton", "demo", lambda: "X = 1\n", "demo")  # doctest: +SKIP
+    >>> loaded.module.X, loaded.origin                                        # doctest: +SKIP
+    (1, 'written')
     """
     source = render()
     data = source.encode()
@@ -499,6 +506,9 @@ class BackendInfo:
 
 @dataclasses.dataclass(frozen=True)
 class CacheInfo:
+    """Where the caches are (`location`) and what each backend's holds (`python -m flexfa cache
+    info` prints it)."""
+
     location: Location
     backends: tuple[BackendInfo, ...]
 
@@ -544,7 +554,11 @@ def _scan(backend: str, path: Path | None) -> BackendInfo:
 
 
 def info() -> CacheInfo:
-    """Where the caches are and what they hold, per backend."""
+    """Where the caches are and what they hold, per backend.
+
+    >>> {b.backend: b.entries for b in info().backends}  # doctest: +SKIP
+    {'blockmask': 2, 'cute': 0, 'triton': 12}
+    """
     loc = location()
     backends = tuple(
         _scan(b, loc.path / b if loc.path is not None else None) for b in sorted(BACKENDS)
@@ -554,7 +568,11 @@ def info() -> CacheInfo:
 
 def clear(backends: list[str] | None = None) -> list[Path]:
     """Remove the caches of `backends` (all by default) in the directory in use; returns the
-    directories removed. Only flexfa's own subdirectories are touched."""
+    directories removed. Only flexfa's own subdirectories are touched.
+
+    >>> clear(["blockmask"])  # doctest: +SKIP
+    [PosixPath('/home/me/.cache/flexfa/blockmask')]
+    """
     names = backends if backends else sorted(BACKENDS)
     for b in names:
         if b not in BACKENDS:

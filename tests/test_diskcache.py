@@ -169,10 +169,25 @@ def _damage(path: Path, how: str, marker: Path) -> str:
         path.unlink()
         path.mkdir()
         return "not a regular file"
+    if how == "entry_is_a_file":  # the module's directory replaced by a file
+        for f in path.parent.iterdir():
+            f.unlink()
+        path.parent.rmdir()
+        path.parent.write_bytes(original)
+        return "Not a directory"
     raise AssertionError(how)
 
 
-DAMAGE = ("garbage", "empty", "truncated", "foreign", "foreign_same_size", "symlink", "directory")
+DAMAGE = (
+    "garbage",
+    "empty",
+    "truncated",
+    "foreign",
+    "foreign_same_size",
+    "symlink",
+    "directory",
+    "entry_is_a_file",
+)
 CASES = [("attention", how) for how in DAMAGE] + [
     (kind, how) for kind in ("exact", "fused") for how in ("truncated", "foreign_same_size")
 ]
@@ -226,6 +241,31 @@ def test_what_runs_is_what_was_checked(cache, tmp_path, monkeypatch):
 
     assert inspect.getsource(module.flexfa_fwd.fn) in good
     assert "swapped" not in inspect.getsource(module)
+
+
+def test_triton_jit_reads_the_source_of_a_module_kept_in_memory(monkeypatch):
+    """Without a file, `@triton.jit` (compiled, as on a GPU) still gets the kernel's source."""
+    import triton
+
+    source = textwrap.dedent(
+        """\
+        import triton
+        import triton.language as tl
+
+
+        @triton.jit
+        def fill(x, N: tl.constexpr):
+            tl.store(x + tl.arange(0, N), 1.0)
+        """
+    )
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    module = diskcache.run_source(source, "<flexfa-generated test/fill>", "flexfa_test_fill")
+    try:
+        assert isinstance(module.fill, triton.runtime.jit.JITFunction)
+        assert module.fill.src.startswith("def fill(x, N: tl.constexpr):")
+        assert module.fill.starting_line_number == 5  # its decorator line
+    finally:
+        sys.modules.pop("flexfa_test_fill", None)
 
 
 # -- unusable and untrusted locations ------------------------------------------------------------
@@ -433,7 +473,7 @@ def test_invalid_tuning_entry_is_ignored_with_a_warning(cache):
 
 _CHILD = textwrap.dedent(
     """
-    import hashlib, json, os, sys, time, torch, flexfa
+    import json, os, sys, time, warnings, torch, flexfa
     from flexfa.codegen.triton import module
     ready, go = sys.argv[1], sys.argv[2]
     open(ready, "w").close()
@@ -441,9 +481,13 @@ _CHILD = textwrap.dedent(
         time.sleep(0.005)
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
-    out = flexfa.attention(q, k, v, score_mod=flexfa.mods.softcap(7.0),
-                           block_mask=flexfa.masks.causal, backend="triton")
-    print(json.dumps({"out": out.flatten().tolist(), "writes": module.stats.writes}))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = flexfa.attention(q, k, v, score_mod=flexfa.mods.softcap(7.0),
+                               block_mask=flexfa.masks.causal, backend="triton")
+    cache_warnings = [str(w.message) for w in record
+                      if issubclass(w.category, flexfa.diskcache.CacheWarning)]
+    print(json.dumps({"out": out.flatten().tolist(), "warnings": cache_warnings}))
     """
 )
 
@@ -451,7 +495,6 @@ _CHILD = textwrap.dedent(
 def test_four_processes_compile_the_same_new_module_at_once(cache, tmp_path):
     env = dict(os.environ, FLEXFA_CACHE_DIR=str(cache), TRITON_INTERPRET="1")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    env["PYTHONWARNINGS"] = "error::UserWarning"  # a cache warning would fail the child
     go = tmp_path / "go"
     procs, ready = [], []
     for i in range(4):
@@ -487,6 +530,7 @@ def test_four_processes_compile_the_same_new_module_at_once(cache, tmp_path):
         q, k, v, flexfa.mods.softcap(7.0), fm.causal, dtype=torch.float32
     )
     for r in results:
+        assert r["warnings"] == []
         out = torch.tensor(r["out"]).view(ref.shape)
         assert_three_way("out", out, eager, ref, atol=1e-5)
     files = sorted(p.relative_to(cache) for p in cache.rglob("*") if p.is_file())

@@ -4,7 +4,8 @@ Off by default (compiling every candidate takes seconds each); turn it on per ca
 `kernel_options={"autotune": True}` or for a process with FLEXFA_AUTOTUNE=1. Results are stored in
 `FLEXFA_CACHE_DIR/triton/tuning.json` and reused by every later call and process with the same key
 (module, GPU, dtype, head dims, block sizes and the power-of-two bucket of the lengths), tuned or
-not. A config pinned in `kernel_options` always wins.
+not. A config pinned in `kernel_options` always wins. A damaged tuning file is ignored with a
+warning and rewritten (docs/cache.md).
 """
 
 from __future__ import annotations
