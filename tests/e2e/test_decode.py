@@ -36,13 +36,13 @@ def decode_calls(monkeypatch):
 CASES = [
     (1, 1, "noop", None, None),
     (1, 4, "causal", "alibi", None),
-    (1, 8, "key_padding", "relative_bias_per_head", 3),
+    (1, 8, "key_padding", "relative_bias_per_head", "fused"),
     (4, 1, "head_dependent", "softcap", 1),
     (4, 4, "document_per_batch", "alibi_slope_table", None),
     (4, 8, "strictly_causal", None, 2),
     (16, 1, "sliding_window", "relative_bias_per_head", None),
     (16, 4, "head_dependent", "alibi", 5),
-    (4, 4, "sliding_window_bidirectional", None, "separate"),
+    (4, 4, "sliding_window_bidirectional", None, "fused"),
     (16, 8, "prefix_lm", None, None),
 ]
 
@@ -51,8 +51,8 @@ CASES = [
 def test_decode_against_reference(case, decode_calls):
     len_q, group, mask_name, score_name, splits = case
     p = Problem(batch=2, heads_q=2 * group, heads_kv=2, len_q=len_q, len_kv=75, head_dim=16)
-    if splits == "separate":  # the merge as its own kernel (Note [Fused merge])
-        options = {"decode_splits": 3, "decode_merge": "separate"}
+    if splits == "fused":  # the merge in the split kernel (Note [Fused merge])
+        options = {"decode_splits": 3, "decode_merge": "fused"}
     else:
         options = {"decode_splits": splits} if splits else None
     with torch.no_grad():  # learnable captures too: decoding is inference
