@@ -276,3 +276,47 @@ def test_paged_kv_cache_decode_loop():
             torch.testing.assert_close(out[b : b + 1], ref.float(), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="out of pages"):
         cache.reserve(0, 170)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("len_q", [1, 4, 16, 64])
+@pytest.mark.parametrize("options", [{}, {"decode_merge": "fused"}], ids=["separate", "fused"])
+def test_decode_on_gpu(len_q, options, decode_calls):
+    """Compiled decode kernels, bf16, D=128, ragged length, ALiBi and a sliding window; contiguous
+    and paged (64-key and 16-key pages)."""
+    dev, dt = "cuda", torch.bfloat16
+    B, Hq, Hkv, Lkv, E = 2, 8, 2, 1000, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(B, Hq, len_q, E, device=dev, dtype=dt, generator=g)
+    k = torch.randn(B, Hkv, Lkv, E, device=dev, dtype=dt, generator=g)
+    v = torch.randn(B, Hkv, Lkv, E, device=dev, dtype=dt, generator=g)
+    window = flexfa.masks.sliding_window(300, causal=False)
+    args = (flexfa.mods.alibi, window)
+    ref, ref_lse = reference_attention(q, k, v, *args, enable_gqa=True)
+    eager, eager_lse = reference_attention(q, k, v, *args, enable_gqa=True, dtype=dt)
+    check = ThreeWay(dt)
+    with torch.no_grad():
+        out, lse = flexfa.attention(
+            q, k, v, *args, enable_gqa=True, return_lse=True, kernel_options=options
+        )
+        check("out", out, eager, ref)
+        check("lse", lse, eager_lse.float(), ref_lse)
+        for page in (64, 16):
+            pages = -(-Lkv // page)
+            pool_k = torch.zeros(B * pages, Hkv, page, E, device=dev, dtype=dt)
+            pool_v = torch.zeros_like(pool_k)
+            perm = torch.randperm(B * pages, device=dev)
+            table = perm.view(B, pages).int()
+            kp = torch.nn.functional.pad(k, (0, 0, 0, pages * page - Lkv))
+            vp = torch.nn.functional.pad(v, (0, 0, 0, pages * page - Lkv))
+            pool_k[perm] = kp.view(B, Hkv, pages, page, E).transpose(1, 2).reshape(-1, Hkv, page, E)
+            pool_v[perm] = vp.view(B, Hkv, pages, page, E).transpose(1, 2).reshape(-1, Hkv, page, E)
+            lens = torch.full((B,), Lkv, device=dev, dtype=torch.int32)
+            bm = flexfa.create_block_mask(window, None, None, len_q, pages * page, device=dev)
+            out_p = flexfa.attention(
+                q, pool_k, pool_v, flexfa.mods.alibi, bm, enable_gqa=True, page_table=table,
+                kv_lens=lens, kernel_options=options,
+            )  # fmt: skip
+            check(f"paged {page}", out_p, eager, ref)
+    check.assert_ok()
+    assert len(decode_calls) == 3
