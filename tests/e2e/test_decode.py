@@ -320,3 +320,14 @@ def test_decode_on_gpu(len_q, options, decode_calls):
             check(f"paged {page}", out_p, eager, ref)
     check.assert_ok()
     assert len(decode_calls) == 3
+
+
+def test_a_block_mask_is_moved_once_per_device():
+    """Per-BlockMask caches (decode lists) need the same moved BlockMask on every call."""
+    from flexfa.blockmask.bind import resolve_block_mask
+
+    bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 64, 64)
+    meta = torch.device("meta")
+    first = resolve_block_mask(bm, 1, 1, 64, 64, meta)
+    assert first is not bm and first.device == meta
+    assert resolve_block_mask(bm, 1, 1, 64, 64, meta) is first
