@@ -164,6 +164,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=8)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return cfgs.device_capability(device)
+
+
 def _next_pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -375,7 +380,7 @@ def prepared(
 ) -> _Prepared:
     """The cached `_Prepared` of a call (Note [Decode host time])."""
     if capability is None and not force_compiled:
-        capability = cfgs.device_capability(spec.device)
+        capability = _capability(spec.device)
     paged = spec.paged
     key: tuple | None = (
         spec.score_mod.key if spec.score_mod is not None else None,
@@ -564,3 +569,4 @@ def clear_caches() -> None:
     _prepared.clear()
     _counters.clear()
     _num_sms.cache_clear()
+    _capability.cache_clear()
