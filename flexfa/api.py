@@ -14,6 +14,7 @@ from flexfa.frontend.trace import TracedMod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.paged import validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
+from flexfa.varlen import packed_mods, packing
 
 
 def attention(
@@ -31,6 +32,8 @@ def attention(
     deterministic: bool = False,
     page_table: torch.Tensor | None = None,
     kv_lens: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_kv: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention with a programmable score and mask, differentiable, on CPU or GPU.
 
@@ -54,6 +57,10 @@ def attention(
             (num_pages, Hkv, page_size, E|Ev), `page_table` (B, max_pages) int32 maps logical page
             j of sequence b to a pool page and `kv_lens` (B,) int32 gives each sequence's length.
             Mods see logical positions; inference only (see flexfa/paged.py, `PagedKVCache`).
+        cu_seqlens_q, cu_seqlens_kv: a packed batch: q (1, Hq, total_q, E), k/v (1, Hkv, total_kv,
+            E|Ev) hold B sequences at these (B + 1,) int32 offsets; mods see `b` = sequence index
+            and positions within each sequence; `block_mask` must then be a mask_mod or None
+            (flexfa/varlen.py).
 
     A query row with no allowed key gets output 0, LSE -inf and zero gradients.
 
@@ -67,6 +74,8 @@ def attention(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if cu_seqlens_q is not None or cu_seqlens_kv is not None:
+        score_mod, block_mask = _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv)
     spec = build_spec(
         q,
         k,
@@ -146,6 +155,20 @@ def build_spec(
         batch_kv=k.shape[0] if paged is None else B,
         paged=paged,
     )
+
+
+def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
+    """The mods of a packed call on the concatenated sequences (Note [Packed batches as mods])."""
+    if cu_seqlens_q is None or cu_seqlens_kv is None:
+        raise ValueError("a packed call needs both cu_seqlens_q and cu_seqlens_kv")
+    for name, t in (("q", q), ("k", k)):
+        if not isinstance(t, torch.Tensor) or t.ndim != 4 or t.shape[0] != 1:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(
+                f"with cu_seqlens, {name} must be (1, heads, total_len, head_dim), got {shape}"
+            )
+    pack = packing(cu_seqlens_q, cu_seqlens_kv, q.shape[2], k.shape[2], q.device)
+    return packed_mods(score_mod, block_mask, pack, q.shape[1])
 
 
 def _trace_score_mod(score_mod: Any, num_heads: int, device: torch.device) -> TracedMod | None:

@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -131,5 +132,15 @@ def _check_given(
                 f"inputs are on {device}"
             )
     if bm.device != device:
-        bm = bm.to(device)
+        # Moved once per device and kept as long as `bm` lives, so that per-BlockMask caches
+        # (kernel flags, decode lists) keep hitting when a CPU-built mask is passed every call.
+        moved = _moved.setdefault(bm, {})
+        if device not in moved:
+            moved[device] = bm.to(device)
+        bm = moved[device]
     return bm
+
+
+_moved: weakref.WeakKeyDictionary[BlockMask, dict[torch.device, BlockMask]] = (
+    weakref.WeakKeyDictionary()
+)

@@ -36,13 +36,13 @@ def decode_calls(monkeypatch):
 CASES = [
     (1, 1, "noop", None, None),
     (1, 4, "causal", "alibi", None),
-    (1, 8, "key_padding", "relative_bias_per_head", 3),
+    (1, 8, "key_padding", "relative_bias_per_head", "fused"),
     (4, 1, "head_dependent", "softcap", 1),
     (4, 4, "document_per_batch", "alibi_slope_table", None),
     (4, 8, "strictly_causal", None, 2),
     (16, 1, "sliding_window", "relative_bias_per_head", None),
     (16, 4, "head_dependent", "alibi", 5),
-    (4, 4, "sliding_window_bidirectional", None, "separate"),
+    (4, 4, "sliding_window_bidirectional", None, "fused"),
     (16, 8, "prefix_lm", None, None),
 ]
 
@@ -51,8 +51,8 @@ CASES = [
 def test_decode_against_reference(case, decode_calls):
     len_q, group, mask_name, score_name, splits = case
     p = Problem(batch=2, heads_q=2 * group, heads_kv=2, len_q=len_q, len_kv=75, head_dim=16)
-    if splits == "separate":  # the merge as its own kernel (Note [Fused merge])
-        options = {"decode_splits": 3, "decode_merge": "separate"}
+    if splits == "fused":  # the merge in the split kernel (Note [Fused merge])
+        options = {"decode_splits": 3, "decode_merge": "fused"}
     else:
         options = {"decode_splits": splits} if splits else None
     with torch.no_grad():  # learnable captures too: decoding is inference
@@ -299,3 +299,58 @@ def test_decode_with_broadcast_kv(group, decode_calls):
     check("out", out, out_e, out_r)
     check("lse", lse, lse_e, lse_r)
     check.assert_ok()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("len_q", [1, 4, 16, 64])
+@pytest.mark.parametrize("options", [{}, {"decode_merge": "fused"}], ids=["separate", "fused"])
+def test_decode_on_gpu(len_q, options, decode_calls):
+    """Compiled decode kernels, bf16, D=128, ragged length, ALiBi and a sliding window; contiguous
+    and paged (64-key and 16-key pages)."""
+    dev, dt = "cuda", torch.bfloat16
+    B, Hq, Hkv, Lkv, E = 2, 8, 2, 1000, 128
+    g = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn(B, Hq, len_q, E, device=dev, dtype=dt, generator=g)
+    k = torch.randn(B, Hkv, Lkv, E, device=dev, dtype=dt, generator=g)
+    v = torch.randn(B, Hkv, Lkv, E, device=dev, dtype=dt, generator=g)
+    window = flexfa.masks.sliding_window(300, causal=False)
+    args = (flexfa.mods.alibi, window)
+    ref, ref_lse = reference_attention(q, k, v, *args, enable_gqa=True)
+    eager, eager_lse = reference_attention(q, k, v, *args, enable_gqa=True, dtype=dt)
+    check = ThreeWay(dt)
+    with torch.no_grad():
+        out, lse = flexfa.attention(
+            q, k, v, *args, enable_gqa=True, return_lse=True, kernel_options=options
+        )
+        check("out", out, eager, ref)
+        check("lse", lse, eager_lse.float(), ref_lse)
+        for page in (64, 16):
+            pages = -(-Lkv // page)
+            pool_k = torch.zeros(B * pages, Hkv, page, E, device=dev, dtype=dt)
+            pool_v = torch.zeros_like(pool_k)
+            perm = torch.randperm(B * pages, device=dev)
+            table = perm.view(B, pages).int()
+            kp = torch.nn.functional.pad(k, (0, 0, 0, pages * page - Lkv))
+            vp = torch.nn.functional.pad(v, (0, 0, 0, pages * page - Lkv))
+            pool_k[perm] = kp.view(B, Hkv, pages, page, E).transpose(1, 2).reshape(-1, Hkv, page, E)
+            pool_v[perm] = vp.view(B, Hkv, pages, page, E).transpose(1, 2).reshape(-1, Hkv, page, E)
+            lens = torch.full((B,), Lkv, device=dev, dtype=torch.int32)
+            bm = flexfa.create_block_mask(window, None, None, len_q, pages * page, device=dev)
+            out_p = flexfa.attention(
+                q, pool_k, pool_v, flexfa.mods.alibi, bm, enable_gqa=True, page_table=table,
+                kv_lens=lens, kernel_options=options,
+            )  # fmt: skip
+            check(f"paged {page}", out_p, eager, ref)
+    check.assert_ok()
+    assert len(decode_calls) == 3
+
+
+def test_a_block_mask_is_moved_once_per_device():
+    """Per-BlockMask caches (decode lists) need the same moved BlockMask on every call."""
+    from flexfa.blockmask.bind import resolve_block_mask
+
+    bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 64, 64)
+    meta = torch.device("meta")
+    first = resolve_block_mask(bm, 1, 1, 64, 64, meta)
+    assert first is not bm and first.device == meta
+    assert resolve_block_mask(bm, 1, 1, 64, 64, meta) is first

@@ -17,6 +17,7 @@ MODULES = [
     "flexfa.mods",
     "flexfa.masks",
     "flexfa.merge",
+    "flexfa.paged",
 ]
 
 

@@ -54,7 +54,7 @@ class DecodeConfig:
     num_splits: int  # programs per (b, KV head, row tile)
     num_warps: int = 4
     num_stages: int = 3
-    fused_merge: bool = True  # Note [Fused merge]
+    fused_merge: bool = False  # Note [Fused merge]
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m)
@@ -164,6 +164,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.lru_cache(maxsize=8)
+def _capability(device: torch.device) -> tuple[int, int] | None:
+    return cfgs.device_capability(device)
+
+
 def _next_pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -191,7 +196,7 @@ def default_config(
         want = max(1, round(4 * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
-    merge = opts.get("decode_merge", "fused")
+    merge = opts.get("decode_merge", "separate")
     if merge not in ("fused", "separate"):
         raise ValueError(
             f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
@@ -220,8 +225,9 @@ def default_config(
 # all of the program's stores come first); the program that draws the last ticket merges the splits
 # and sets the counter back to 0. This saves the merge kernel's launch (host time matters at 4k
 # keys) and its gap on the GPU. The counters live in one zeroed buffer per (device, stream), so
-# calls on different streams never share them; kernel_options {"decode_merge": "separate"} runs the
-# merge as its own kernel instead.
+# calls on different streams never share them. It is opt-in (kernel_options {"decode_merge":
+# "fused"}): tested under the interpreter and compiled for sm_90, but not yet run on a GPU, where
+# the acquire-release ordering is what matters; the default runs the merge as its own kernel.
 
 
 def _plan(
@@ -374,7 +380,7 @@ def prepared(
 ) -> _Prepared:
     """The cached `_Prepared` of a call (Note [Decode host time])."""
     if capability is None and not force_compiled:
-        capability = cfgs.device_capability(spec.device)
+        capability = _capability(spec.device)
     paged = spec.paged
     key: tuple | None = (
         spec.score_mod.key if spec.score_mod is not None else None,
@@ -563,3 +569,4 @@ def clear_caches() -> None:
     _prepared.clear()
     _counters.clear()
     _num_sms.cache_clear()
+    _capability.cache_clear()
