@@ -25,6 +25,7 @@ class Call:
 
     scale: float
     lowering: MaskLowering
+    bwd_lowering: MaskLowering
     hooks: Hooks
     mask_tensors: tuple[torch.Tensor, ...]
     grad_slots: tuple[int, ...]
@@ -54,18 +55,64 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
     )
 
 
-def make_call(spec: AttentionSpec) -> Call:
-    mask = None if spec.mask.is_trivially_true else spec.mask
-    lowering = mask_lowering(mask, spec.len_q, spec.len_kv)
-    grad_slots = spec.score_grad_slots
-    # A native mask needs no mask_mod: leave it out of the module (and of FA4's compile key).
-    hooks = hooks_for(spec.score_mod, None if lowering.native else mask, grad_slots)
+def backward_lowering(lowering: MaskLowering, has_score_mod: bool) -> MaskLowering:
+    """The mask lowering of the backward (Note [Backward with a score_mod])."""
+    if not has_score_mod or not lowering.native or lowering.kind == "full":
+        return lowering
+    return MaskLowering(
+        "mask_mod",
+        reason="backward with a score_mod: the generated mask_mod, not FA4's native mask",
+    )
+
+
+# Note [Backward with a score_mod]
+# On the H200, FA4's sm90 backward with a score_mod gave wrong dQ (and dK, dV) wherever its tile
+# had 64 query rows: head dims 65..96 always, and 97..128 under FA4's native causal / window
+# (which switches that tile from 80 rows to 64), while the same score_mods were right with 80- and
+# 128-row tiles (a mask_mod with D=128, a full mask with D=64) and the forward was right
+# everywhere. So a backward with a score_mod never uses the native masks: it passes the generated
+# mask_mod (same mask, FA4's 80-row tile at D=128), and the "fa4" backend refuses gradients of
+# calls with a score_mod at head dims whose sm90 backward tile has 64 rows whatever the mask
+# (`flexfa.backends.fa4.score_mod_backward_unsupported`). The forward keeps the native mask.
+
+
+def plan_call(
+    score: TracedMod | None,
+    mask: TracedMod | None,
+    *,
+    len_q: int,
+    len_kv: int,
+    needs_grad: bool,
+    scale: float,
+    deterministic: bool = False,
+) -> Call:
+    """Mask lowerings of both passes and the generated hooks for one call's mods."""
+    lowering = mask_lowering(mask, len_q, len_kv)
+    bwd_lowering = backward_lowering(lowering, score is not None) if needs_grad else lowering
+    grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
+    # A mask used natively in both passes needs no mask_mod: it stays out of the module (and of
+    # FA4's compile key).
+    uses_mask_mod = mask is not None and not (lowering.native and bwd_lowering.native)
+    hooks = hooks_for(score, mask if uses_mask_mod else None, grad_slots)
     return Call(
-        scale=spec.scale,
+        scale=scale,
         lowering=lowering,
+        bwd_lowering=bwd_lowering,
         hooks=hooks,
-        mask_tensors=tuple(mask.tensors) if mask is not None and not lowering.native else (),
+        mask_tensors=tuple(mask.tensors) if uses_mask_mod else (),
         grad_slots=tuple(sorted(grad_slots)),
+        deterministic=deterministic,
+    )
+
+
+def make_call(spec: AttentionSpec) -> Call:
+    return plan_call(
+        spec.score_mod,
+        None if spec.mask.is_trivially_true else spec.mask,
+        len_q=spec.len_q,
+        len_kv=spec.len_kv,
+        needs_grad=spec.needs_grad,
+        scale=spec.scale,
         deterministic=spec.deterministic,
     )
 
@@ -103,7 +150,7 @@ class _Fa4Function(torch.autograd.Function):
             lse,
             dlse,
             scale=call.scale,
-            lowering=call.lowering,
+            lowering=call.bwd_lowering,
             hooks=call.hooks,
             aux_tensors=aux,
             deterministic=call.deterministic,

@@ -335,7 +335,7 @@ def _function(
     the forward and 4 in the backward), the scalar body, then the results as one vector."""
     sig = ", ".join(params)
     head = f"@cute.jit\ndef {name}({sig}):"
-    if len(head) > 100:
+    if len(f"def {name}({sig}):") > 100:
         joined = ",\n".join(f"    {p}" for p in params)
         head = f"@cute.jit\ndef {name}(\n{joined},\n):"
     body = "\n".join(f"        {line}" for line in lines)
@@ -346,7 +346,7 @@ def _function(
         f"    for i in cutlass.range_constexpr(n):\n"
         f"{body}\n"
         f"        result[i] = {result}\n"
-        f"    return result.load()\n"
+        f"    return result.load()"
     )
 
 

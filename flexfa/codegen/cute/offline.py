@@ -114,12 +114,11 @@ def compile_call(
     score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
     bm = resolve_block_mask(mask_mod, 1, num_heads, seq_len, seq_len, torch.device("cpu"))
     mask = None if bm.mask.is_trivially_true else bm.mask
-    lowering = backend.mask_lowering(mask, seq_len, seq_len)
-    grad_slots = score.grad_slots() if score is not None else frozenset()
-    hooks = backend.hooks_for(score, None if lowering.native else mask, grad_slots)
-    captured = [*(score.tensors if score is not None else ())]
-    if mask is not None and not lowering.native:
-        captured += mask.tensors
+    call = backend.plan_call(
+        score, mask, len_q=seq_len, len_kv=seq_len, needs_grad=backward, scale=head_dim**-0.5
+    )
+    captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
+    grad_slots = call.grad_slots
     seconds: dict[str, float] = {}
     with _hardware_info_without_gpu(), FakeTensorMode():
         shape = (1, num_heads, seq_len, head_dim)
@@ -130,20 +129,72 @@ def compile_call(
         ]
         t0 = time.perf_counter()
         o, lse, o_fa4 = launch.forward(
-            q, k, v, scale=head_dim**-0.5, lowering=lowering, hooks=hooks, aux_tensors=aux,
+            q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux,
             arch=number,
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
         if backward:
             grads = [
                 torch.empty(score.tensors[s].shape or (1,), dtype=torch.float32, device="cuda")
-                for s in sorted(grad_slots)
+                for s in grad_slots
             ]
             t0 = time.perf_counter()
             launch.backward(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
-                lowering=lowering, hooks=hooks, aux_tensors=aux + grads, deterministic=False,
+                lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
+                deterministic=False,
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
-    return CompileReport(arch, ptx, seconds, f"{lowering.kind}: {lowering.reason}")
+    lowering = call.lowering
+    text = f"{lowering.kind}: {lowering.reason}"
+    if call.bwd_lowering is not lowering:
+        text += f"; backward {call.bwd_lowering.kind}: {call.bwd_lowering.reason}"
+    return CompileReport(arch, ptx, seconds, text)
+
+
+def export(
+    score_mod,
+    mask_mod,
+    *,
+    arch: str,
+    out_dir: str | Path,
+    num_heads: int = 4,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Path]:
+    """`python -m flexfa export ... --backend fa4`: the generated hooks (`mods.py`, `key.json`)
+    and the PTX of FA4's forward and backward kernels compiled with them for `arch` (and their
+    cubins), with no GPU needed. Returns the paths written."""
+    import json
+
+    from flexfa.api import _trace_score_mod
+    from flexfa.blockmask.bind import resolve_block_mask
+    from flexfa.codegen.cute import module
+
+    configure_arch(arch)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
+    mask = resolve_block_mask(mask_mod, 1, num_heads, 1, 1, torch.device("cpu")).mask
+    mask = None if mask.is_trivially_true else mask
+    slots = score.grad_slots() if score is not None else frozenset()
+    (out / "mods.py").write_text(module.render(score, mask, slots).source)
+    key = module.module_key(score, mask, slots)
+    (out / "key.json").write_text(json.dumps(dataclasses.asdict(key), indent=1) + "\n")
+    report = compile_call(
+        score_mod, mask_mod, arch=arch, out_dir=out, num_heads=num_heads, head_dim=head_dim,
+        dtype=dtype,
+    )  # fmt: skip
+    (out / f"compile_{arch}.json").write_text(
+        json.dumps(
+            {
+                "lowering": report.lowering,
+                "seconds": report.seconds,
+                "ptx": [p.name for p in report.ptx],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return [out / "mods.py", out / "key.json", out / f"compile_{arch}.json", *report.ptx]
