@@ -16,6 +16,8 @@ MODULES = [
     "flexfa.reference",
     "flexfa.mods",
     "flexfa.masks",
+    "flexfa.codegen.cute.plan",
+    "flexfa.backends.fa4",
 ]
 
 

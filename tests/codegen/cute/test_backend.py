@@ -93,3 +93,36 @@ def test_backward_with_a_score_mod_uses_the_mask_mod():
     assert backward_lowering(causal, has_score_mod=True).kind == "mask_mod"
     full = lower_mask(None, 256, 256)
     assert backward_lowering(full, has_score_mod=True) is full
+
+
+def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
+    """The autograd Function around FA4, with FA4's entry points replaced by stand-ins: which
+    lowering each pass gets, the aux-tensor list of each pass, and captured gradients written
+    into their buffers come back in the capture's dtype."""
+    from flexfa.codegen.cute import backend, launch
+
+    seen = {}
+
+    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, arch=None):
+        seen["fwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors])
+        return q * 1.0, torch.zeros(q.shape[:3]), q.transpose(1, 2).contiguous()
+
+    def backward(q, k, v, out_fa4, dout, lse, dlse, *, lowering, aux_tensors, **kw):
+        seen["bwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors], dlse is not None)
+        aux_tensors[-1].add_(2.0)  # the gradient buffer of the one captured tensor
+        return dout.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+    table = torch.randn(4, 65, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(1, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    spec = build_spec(q, q, q, flexfa.mods.relative_bias(table, 32), flexfa.masks.causal)
+    out, lse = backend.run(spec, q, q, q)
+    dq, dtable = torch.autograd.grad(out.float().sum() + lse.sum(), [q, table])
+    assert seen["fwd"] == ("causal", [(4, 65)])
+    # The backward passes the generated mask_mod (Note [Backward with a score_mod]) and one
+    # float32 gradient buffer after the captured tensors.
+    assert seen["bwd"] == ("mask_mod", [(4, 65), (4, 65)], True)
+    assert dtable.dtype == torch.bfloat16 and bool((dtable == 2.0).all())
+    assert torch.equal(dq, torch.ones_like(q))
