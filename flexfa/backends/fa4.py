@@ -102,10 +102,17 @@ class Fa4Backend(Backend):
         bad_dims = head_dims_supported(spec.head_dim, spec.head_dim_v, major)
         if bad_dims is not None:
             return Support.no(bad_dims)
-        if spec.kernel_options:
+        unknown = sorted(set(spec.kernel_options) - {"block_sparse"})
+        if unknown:
             return Support.no(
-                f"the fa4 backend takes no kernel_options, got {sorted(spec.kernel_options)}"
+                f"the fa4 backend takes kernel_options 'block_sparse' only, got {unknown}"
             )
+        if spec.kernel_options.get("block_sparse"):
+            from flexfa.codegen.cute.sparse import why_not_sparse
+
+            not_sparse = why_not_sparse(spec.block_mask, spec.head_dim, spec.head_dim_v, major)
+            if not_sparse is not None:
+                return Support.no(not_sparse)
         for traced in (spec.score_mod, spec.mask):
             if traced is None:
                 continue

@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from flexfa.codegen.cute import launch, module
+from flexfa.blockmask.block_mask import BlockMask
+from flexfa.codegen.cute import launch, module, sparse
 from flexfa.codegen.cute.launch import Hooks
 from flexfa.codegen.cute.plan import MaskLowering, lower_mask
 from flexfa.frontend.trace import TracedMod
@@ -30,6 +31,8 @@ class Call:
     mask_tensors: tuple[torch.Tensor, ...]
     grad_slots: tuple[int, ...]
     deterministic: bool
+    fwd_sparse: sparse.SparseLists | None = None
+    bwd_sparse: sparse.SparseLists | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -85,8 +88,12 @@ def plan_call(
     needs_grad: bool,
     scale: float,
     deterministic: bool = False,
+    block_mask: BlockMask | None = None,
+    head_dim: int = 0,
 ) -> Call:
-    """Mask lowerings of both passes and the generated hooks for one call's mods."""
+    """Mask lowerings of both passes and the generated hooks for one call's mods. With
+    `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
+    [Block-sparse lists for FA4]; the caller checked `sparse.why_not_sparse`)."""
     lowering = mask_lowering(mask, len_q, len_kv)
     bwd_lowering = backward_lowering(lowering, score is not None) if needs_grad else lowering
     grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
@@ -94,6 +101,13 @@ def plan_call(
     # FA4's compile key).
     uses_mask_mod = mask is not None and not (lowering.native and bwd_lowering.native)
     hooks = hooks_for(score, mask if uses_mask_mod else None, grad_slots)
+    fwd_sparse = bwd_sparse = None
+    if block_mask is not None and mask is not None:
+        if not lowering.native:
+            fwd_sparse = sparse.forward_lists(block_mask)
+        sparse_bwd_ok = (score is None or head_dim <= 64) and not deterministic
+        if needs_grad and not bwd_lowering.native and sparse_bwd_ok:
+            bwd_sparse = sparse.backward_lists(block_mask)
     return Call(
         scale=scale,
         lowering=lowering,
@@ -102,6 +116,8 @@ def plan_call(
         mask_tensors=tuple(mask.tensors) if uses_mask_mod else (),
         grad_slots=tuple(sorted(grad_slots)),
         deterministic=deterministic,
+        fwd_sparse=fwd_sparse,
+        bwd_sparse=bwd_sparse,
     )
 
 
@@ -114,6 +130,8 @@ def make_call(spec: AttentionSpec) -> Call:
         needs_grad=spec.needs_grad,
         scale=spec.scale,
         deterministic=spec.deterministic,
+        block_mask=spec.block_mask if spec.kernel_options.get("block_sparse") else None,
+        head_dim=spec.head_dim,
     )
 
 
@@ -122,7 +140,14 @@ class _Fa4Function(torch.autograd.Function):
     def forward(ctx, q, k, v, call: Call, *score_tensors):
         aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
         out, lse, out_fa4 = launch.forward(
-            q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux
+            q,
+            k,
+            v,
+            scale=call.scale,
+            lowering=call.lowering,
+            hooks=call.hooks,
+            aux_tensors=aux,
+            block_sparse=call.fwd_sparse,
         )
         ctx.save_for_backward(q, k, v, out_fa4, lse, *score_tensors)
         ctx.call = call
@@ -154,6 +179,7 @@ class _Fa4Function(torch.autograd.Function):
             hooks=call.hooks,
             aux_tensors=aux,
             deterministic=call.deterministic,
+            block_sparse=call.bwd_sparse,
         )
         capture_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
         for slot, g in zip(call.grad_slots, grads):

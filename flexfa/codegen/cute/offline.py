@@ -80,6 +80,20 @@ def _hardware_info_without_gpu():
         cutlass.utils.HardwareInfo = saved
 
 
+def _fake_lists(lists):
+    """Block-sparse lists as (fake) CUDA tensors of the same shapes, inside FakeTensorMode."""
+    if lists is None:
+        return None
+    fields = ("mask_cnt", "mask_idx", "full_cnt", "full_idx")
+    return dataclasses.replace(
+        lists,
+        **{
+            f: torch.empty(getattr(lists, f).shape, dtype=torch.int32, device="cuda")
+            for f in fields
+        },
+    )
+
+
 def compile_call(
     score_mod,
     mask_mod,
@@ -91,6 +105,7 @@ def compile_call(
     seq_len: int = 1024,
     dtype: torch.dtype = torch.bfloat16,
     backward: bool = True,
+    block_sparse: bool = False,
 ) -> CompileReport:
     """Compile FA4's forward (and backward) for these mods and `arch`, keeping PTX in `out_dir`.
 
@@ -115,22 +130,27 @@ def compile_call(
     bm = resolve_block_mask(mask_mod, 1, num_heads, seq_len, seq_len, torch.device("cpu"))
     mask = None if bm.mask.is_trivially_true else bm.mask
     call = backend.plan_call(
-        score, mask, len_q=seq_len, len_kv=seq_len, needs_grad=backward, scale=head_dim**-0.5
+        score,
+        mask,
+        len_q=seq_len,
+        len_kv=seq_len,
+        needs_grad=backward,
+        scale=head_dim**-0.5,
+        block_mask=bm if block_sparse else None,
+        head_dim=head_dim,
     )
     captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
     grad_slots = call.grad_slots
+    aux_specs = [(a.shape, a.dtype) for a in (launch.aux_tensor(t) for t in captured)]
     seconds: dict[str, float] = {}
     with _hardware_info_without_gpu(), FakeTensorMode():
         shape = (1, num_heads, seq_len, head_dim)
         q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
-        aux = [
-            torch.empty(a.shape, dtype=a.dtype, device="cuda")
-            for a in (launch.aux_tensor(t) for t in captured)
-        ]
+        aux = [torch.empty(shape, dtype=dt, device="cuda") for shape, dt in aux_specs]
         t0 = time.perf_counter()
         o, lse, o_fa4 = launch.forward(
             q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux,
-            arch=number,
+            arch=number, block_sparse=_fake_lists(call.fwd_sparse),
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
         if backward:
@@ -142,7 +162,7 @@ def compile_call(
             launch.backward(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
                 lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
-                deterministic=False,
+                deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
@@ -150,6 +170,10 @@ def compile_call(
     text = f"{lowering.kind}: {lowering.reason}"
     if call.bwd_lowering is not lowering:
         text += f"; backward {call.bwd_lowering.kind}: {call.bwd_lowering.reason}"
+    text += "".join(
+        f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
+        ("backward", call.bwd_sparse)) if lists is not None
+    )  # fmt: skip
     return CompileReport(arch, ptx, seconds, text)
 
 

@@ -65,3 +65,33 @@ def test_captured_gradients_and_a_document_mask_compile(tmp_path, arch):
     assert MMA[arch] in bwd
     # The captured tensor's gradient: float32 atomic adds from the generated score_mod_bwd.
     assert "atom.global.add.f32" in bwd or "red.global.add.f32" in bwd
+
+
+_SPARSE_CHILD = """
+import json, sys, torch, flexfa
+from flexfa.codegen.cute import offline
+ids = torch.repeat_interleave(torch.arange(8), 128)
+mask = flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(ids))
+report = offline.compile_call(
+    None, mask, arch="sm_90a", out_dir=sys.argv[1], block_sparse=True, head_dim=64
+)
+print(json.dumps({"lowering": report.lowering, "ptx": [str(p) for p in report.ptx]}))
+"""
+
+
+@pytest.mark.slow
+def test_block_sparse_lists_compile_for_sm90(tmp_path):
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run(
+        [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "forward block-sparse" in got["lowering"] and "backward block-sparse" in got["lowering"]
+    bwd = [p for p in got["ptx"] if "flash_bwd_sm90" in p]
+    assert bwd and MMA["sm_90a"] in Path(bwd[0]).read_text()

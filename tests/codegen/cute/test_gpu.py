@@ -38,11 +38,13 @@ class GpuCase:
     dtype: torch.dtype
     build: Callable  # (case, device) -> (score_mod | None, mask_mod | None, learnable params)
     lowering: str  # the mask lowering the backend must choose
+    block_sparse: bool = False  # kernel_options={"block_sparse": True}
 
     def __str__(self) -> str:
         return (
             f"{self.name}-B{self.batch}-H{self.heads_q}/{self.heads_kv}-L{self.len_q}x{self.len_kv}"
             f"-D{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
+            + ("-sparse" if self.block_sparse else "")
         )
 
 
@@ -124,6 +126,11 @@ CASES = [
     GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, _no_mask, "full"),
     GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, _empty_rows, "mask_mod"),
     GpuCase("causal", 1, 2, 2, 1024, 1024, 256, bf16, _causal, "causal"),
+    # FA4's block-sparse lists from the BlockMask (opt-in, Note [Block-sparse lists for FA4]).
+    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, _document_causal, "mask_mod", True),
+    GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod", True),
+    GpuCase("dilated", 1, 2, 2, 1024, 1024, 128, f16, _dilated, "mask_mod", True),
+    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, _empty_rows, "mask_mod", True),
 ]
 
 
@@ -141,10 +148,21 @@ def test_fa4_matches_reference_on_gpu(case: GpuCase) -> None:
     k = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
     v = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
     gqa = case.heads_q != case.heads_kv
-    spec = build_spec(q, k, v, score_mod, mask_mod, enable_gqa=gqa)
-    assert make_call(spec).lowering.kind == case.lowering
+    options = {"block_sparse": True} if case.block_sparse else None
+    spec = build_spec(q, k, v, score_mod, mask_mod, enable_gqa=gqa, kernel_options=options)
+    call = make_call(spec)
+    assert call.lowering.kind == case.lowering
+    assert (call.fwd_sparse is not None) == case.block_sparse
     out, lse = flexfa.attention(
-        q, k, v, score_mod, mask_mod, enable_gqa=gqa, return_lse=True, backend="fa4"
+        q,
+        k,
+        v,
+        score_mod,
+        mask_mod,
+        enable_gqa=gqa,
+        return_lse=True,
+        backend="fa4",
+        kernel_options=options,
     )
     do = torch.randn_like(out)
     inputs = (q, k, v, *params)
