@@ -48,14 +48,22 @@ def mask_lowering(mask: TracedMod | None, len_q: int, len_kv: int) -> MaskLoweri
     return _cached_lowering(mask, len_q, len_kv)
 
 
+_hooks: dict[tuple, Hooks] = {}
+
+
 def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]) -> Hooks:
-    """The generated hooks of these mods (loads the generated module: imports cutlass)."""
+    """The generated hooks of these mods (loads the generated module: imports cutlass), kept per
+    (mods' keys, gradient slots) so that a repeated call does no more than a dict lookup."""
     from flexfa.codegen.cute.emit import AuxLayout
 
-    _, mod = module.load_module(score, mask, grad_slots)
-    return Hooks(
-        mod.SCORE_MOD, mod.SCORE_MOD_BWD, mod.MASK_MOD, AuxLayout.of(score, mask, grad_slots)
-    )
+    key = (score.key if score else None, mask.key if mask else None, tuple(sorted(grad_slots)))
+    hooks = _hooks.get(key)
+    if hooks is None:
+        _, mod = module.load_module(score, mask, grad_slots)
+        aux = AuxLayout.of(score, mask, grad_slots)
+        hooks = Hooks(mod.SCORE_MOD, mod.SCORE_MOD_BWD, mod.MASK_MOD, aux)
+        _hooks[key] = hooks
+    return hooks
 
 
 def backward_lowering(lowering: MaskLowering, has_score_mod: bool) -> MaskLowering:

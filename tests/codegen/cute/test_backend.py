@@ -103,7 +103,7 @@ def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
 
     seen = {}
 
-    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, arch=None):
+    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, **kw):
         seen["fwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors])
         return q * 1.0, torch.zeros(q.shape[:3]), q.transpose(1, 2).contiguous()
 
