@@ -6,10 +6,13 @@ Examples:
     python -m flexfa export my_mods.py:alibi --mask causal --num-heads 16 --out kernels/
     python -m flexfa export my_mods.py:relative_bias --mask "sliding_window(512)" --out k/
     python -m flexfa export none --mask my_masks.py:document_mask --out k/ --ptx 90
+    python -m flexfa export alibi --mask causal --backend fa4 --arch sm_100a --out k/
 
 MOD and MASK name a function in a Python file (FILE.py:NAME), optionally called with constant
 arguments (FILE.py:softcap(30.0)); a bare NAME refers to flexfa.mods / flexfa.masks; `none` means
 no score_mod. `--ptx ARCH` also compiles every kernel for sm_ARCH (no GPU needed) and writes PTX.
+`--backend fa4 --arch sm_90a|sm_100a` writes the generated CuTe DSL hooks and the PTX of
+FlashAttention-4's forward and backward kernels compiled with them (no GPU needed either).
 
     python -m flexfa cache info              # where the caches are, entries and size per backend
     python -m flexfa cache info --json
@@ -81,6 +84,8 @@ def resolve(reference: str | None, default_namespace: Any) -> Any:
 
 
 def export_command(args: argparse.Namespace) -> int:
+    if args.backend == "fa4":
+        return _export_fa4(args)
     import flexfa
     from flexfa.export import compile_ptx, export_module
 
@@ -167,6 +172,26 @@ def _backend_list(text: str) -> list[str]:
     return names
 
 
+def _export_fa4(args: argparse.Namespace) -> int:
+    from flexfa.codegen.cute import offline
+
+    offline.configure_arch(args.arch)  # before anything imports the CuTe DSL
+    import flexfa
+
+    written = offline.export(
+        resolve(args.mod, flexfa.mods),
+        resolve(args.mask, flexfa.masks),
+        arch=args.arch,
+        out_dir=args.out,
+        num_heads=args.num_heads or 4,
+        head_dim=args.head_dim,
+        dtype=getattr(torch, args.dtype),
+    )
+    for path in written:
+        print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flexfa", description="flexfa tools")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -188,6 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ex.add_argument("--head-dim", type=int, default=128, help="head dim for --ptx")
     ex.add_argument("--dtype", default="bfloat16", help="dtype for --ptx")
+    ex.add_argument(
+        "--backend", choices=("triton", "fa4"), default="triton", help="which kernels to export"
+    )
+    ex.add_argument(
+        "--arch", choices=("sm_90a", "sm_100a"), default="sm_90a", help="arch for --backend fa4"
+    )
     ca = sub.add_parser("cache", help="show or clear flexfa's disk caches")
     cache_sub = ca.add_subparsers(dest="action", required=True)
     info = cache_sub.add_parser("info", help="location, entries and size per backend")

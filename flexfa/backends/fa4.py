@@ -70,6 +70,17 @@ def head_dims_supported(head_dim: int, head_dim_v: int, arch_major: int) -> str 
     )
 
 
+def score_mod_backward_unsupported(head_dim: int, arch_major: int) -> str | None:
+    """Why FA4 cannot give gradients through a score_mod at this head dim, or None
+    (Note [Backward with a score_mod] in flexfa/codegen/cute/backend.py)."""
+    if arch_major == 9 and (64 < head_dim <= 96 or head_dim > 128):
+        return (
+            f"FA4's sm90 backward with a score_mod at head dim {head_dim} (64-row tiles) gave wrong "
+            "gradients in flexfa's GPU tests; use the triton backend for gradients"
+        )
+    return None
+
+
 class Fa4Backend(Backend):
     name = "fa4"
     # Not considered by "auto": it is chosen explicitly until measured plans rank it.
@@ -91,10 +102,17 @@ class Fa4Backend(Backend):
         bad_dims = head_dims_supported(spec.head_dim, spec.head_dim_v, major)
         if bad_dims is not None:
             return Support.no(bad_dims)
-        if spec.kernel_options:
+        unknown = sorted(set(spec.kernel_options) - {"block_sparse"})
+        if unknown:
             return Support.no(
-                f"the fa4 backend takes no kernel_options, got {sorted(spec.kernel_options)}"
+                f"the fa4 backend takes kernel_options 'block_sparse' only, got {unknown}"
             )
+        if spec.kernel_options.get("block_sparse"):
+            from flexfa.codegen.cute.sparse import why_not_sparse
+
+            not_sparse = why_not_sparse(spec.block_mask, spec.head_dim, spec.head_dim_v, major)
+            if not_sparse is not None:
+                return Support.no(not_sparse)
         for traced in (spec.score_mod, spec.mask):
             if traced is None:
                 continue
@@ -104,6 +122,10 @@ class Fa4Backend(Backend):
                         f"{traced.kind} {traced.name!r} captures {cap.name!r} of dtype {t.dtype}, "
                         "which FA4's aux tensors cannot carry"
                     )
+        if spec.score_mod is not None and spec.needs_grad:
+            bad_backward = score_mod_backward_unsupported(spec.head_dim, major)
+            if bad_backward is not None:
+                return Support.no(bad_backward)
         if spec.deterministic and spec.score_grad_slots:
             return Support.no(
                 "deterministic=True is not honoured for gradients of captured tensors on fa4 "

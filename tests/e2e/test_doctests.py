@@ -18,6 +18,10 @@ MODULES = [
     "flexfa.masks",
     "flexfa.merge",
     "flexfa.paged",
+
+
+    "flexfa.codegen.cute.plan",
+    "flexfa.backends.fa4",
 ]
 
 

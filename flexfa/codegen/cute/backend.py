@@ -12,7 +12,8 @@ import functools
 
 import torch
 
-from flexfa.codegen.cute import launch, module
+from flexfa.blockmask.block_mask import BlockMask
+from flexfa.codegen.cute import launch, module, sparse
 from flexfa.codegen.cute.launch import Hooks
 from flexfa.codegen.cute.plan import MaskLowering, lower_mask
 from flexfa.frontend.trace import TracedMod
@@ -25,10 +26,13 @@ class Call:
 
     scale: float
     lowering: MaskLowering
+    bwd_lowering: MaskLowering
     hooks: Hooks
     mask_tensors: tuple[torch.Tensor, ...]
     grad_slots: tuple[int, ...]
     deterministic: bool
+    fwd_sparse: sparse.SparseLists | None = None
+    bwd_sparse: sparse.SparseLists | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -44,29 +48,98 @@ def mask_lowering(mask: TracedMod | None, len_q: int, len_kv: int) -> MaskLoweri
     return _cached_lowering(mask, len_q, len_kv)
 
 
+_hooks: dict[tuple, Hooks] = {}
+
+
 def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]) -> Hooks:
-    """The generated hooks of these mods (loads the generated module: imports cutlass)."""
+    """The generated hooks of these mods (loads the generated module: imports cutlass), kept per
+    (mods' keys, gradient slots) so that a repeated call does no more than a dict lookup."""
     from flexfa.codegen.cute.emit import AuxLayout
 
-    _, mod = module.load_module(score, mask, grad_slots)
-    return Hooks(
-        mod.SCORE_MOD, mod.SCORE_MOD_BWD, mod.MASK_MOD, AuxLayout.of(score, mask, grad_slots)
+    key = (score.key if score else None, mask.key if mask else None, tuple(sorted(grad_slots)))
+    hooks = _hooks.get(key)
+    if hooks is None:
+        _, mod = module.load_module(score, mask, grad_slots)
+        aux = AuxLayout.of(score, mask, grad_slots)
+        hooks = Hooks(mod.SCORE_MOD, mod.SCORE_MOD_BWD, mod.MASK_MOD, aux)
+        _hooks[key] = hooks
+    return hooks
+
+
+def backward_lowering(lowering: MaskLowering, has_score_mod: bool) -> MaskLowering:
+    """The mask lowering of the backward (Note [Backward with a score_mod])."""
+    if not has_score_mod or not lowering.native or lowering.kind == "full":
+        return lowering
+    return MaskLowering(
+        "mask_mod",
+        reason="backward with a score_mod: the generated mask_mod, not FA4's native mask",
+    )
+
+
+# Note [Backward with a score_mod]
+# On the H200, FA4's sm90 backward with a score_mod gave wrong dQ (and dK, dV) wherever its tile
+# had 64 query rows: head dims 65..96 always, and 97..128 under FA4's native causal / window
+# (which switches that tile from 80 rows to 64), while the same score_mods were right with 80- and
+# 128-row tiles (a mask_mod with D=128, a full mask with D=64) and the forward was right
+# everywhere. So a backward with a score_mod never uses the native masks: it passes the generated
+# mask_mod (same mask, FA4's 80-row tile at D=128), and the "fa4" backend refuses gradients of
+# calls with a score_mod at head dims whose sm90 backward tile has 64 rows whatever the mask
+# (`flexfa.backends.fa4.score_mod_backward_unsupported`). The forward keeps the native mask.
+
+
+def plan_call(
+    score: TracedMod | None,
+    mask: TracedMod | None,
+    *,
+    len_q: int,
+    len_kv: int,
+    needs_grad: bool,
+    scale: float,
+    deterministic: bool = False,
+    block_mask: BlockMask | None = None,
+    head_dim: int = 0,
+) -> Call:
+    """Mask lowerings of both passes and the generated hooks for one call's mods. With
+    `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
+    [Block-sparse lists for FA4]; the caller checked `sparse.why_not_sparse`)."""
+    lowering = mask_lowering(mask, len_q, len_kv)
+    bwd_lowering = backward_lowering(lowering, score is not None) if needs_grad else lowering
+    grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
+    # A mask used natively in both passes needs no mask_mod: it stays out of the module (and of
+    # FA4's compile key).
+    uses_mask_mod = mask is not None and not (lowering.native and bwd_lowering.native)
+    hooks = hooks_for(score, mask if uses_mask_mod else None, grad_slots)
+    fwd_sparse = bwd_sparse = None
+    if block_mask is not None and mask is not None:
+        if not lowering.native:
+            fwd_sparse = sparse.forward_lists(block_mask)
+        sparse_bwd_ok = (score is None or head_dim <= 64) and not deterministic
+        if needs_grad and not bwd_lowering.native and sparse_bwd_ok:
+            bwd_sparse = sparse.backward_lists(block_mask)
+    return Call(
+        scale=scale,
+        lowering=lowering,
+        bwd_lowering=bwd_lowering,
+        hooks=hooks,
+        mask_tensors=tuple(mask.tensors) if uses_mask_mod else (),
+        grad_slots=tuple(sorted(grad_slots)),
+        deterministic=deterministic,
+        fwd_sparse=fwd_sparse,
+        bwd_sparse=bwd_sparse,
     )
 
 
 def make_call(spec: AttentionSpec) -> Call:
-    mask = None if spec.mask.is_trivially_true else spec.mask
-    lowering = mask_lowering(mask, spec.len_q, spec.len_kv)
-    grad_slots = spec.score_grad_slots
-    # A native mask needs no mask_mod: leave it out of the module (and of FA4's compile key).
-    hooks = hooks_for(spec.score_mod, None if lowering.native else mask, grad_slots)
-    return Call(
+    return plan_call(
+        spec.score_mod,
+        None if spec.mask.is_trivially_true else spec.mask,
+        len_q=spec.len_q,
+        len_kv=spec.len_kv,
+        needs_grad=spec.needs_grad,
         scale=spec.scale,
-        lowering=lowering,
-        hooks=hooks,
-        mask_tensors=tuple(mask.tensors) if mask is not None and not lowering.native else (),
-        grad_slots=tuple(sorted(grad_slots)),
         deterministic=spec.deterministic,
+        block_mask=spec.block_mask if spec.kernel_options.get("block_sparse") else None,
+        head_dim=spec.head_dim,
     )
 
 
@@ -75,7 +148,14 @@ class _Fa4Function(torch.autograd.Function):
     def forward(ctx, q, k, v, call: Call, *score_tensors):
         aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
         out, lse, out_fa4 = launch.forward(
-            q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux
+            q,
+            k,
+            v,
+            scale=call.scale,
+            lowering=call.lowering,
+            hooks=call.hooks,
+            aux_tensors=aux,
+            block_sparse=call.fwd_sparse,
         )
         ctx.save_for_backward(q, k, v, out_fa4, lse, *score_tensors)
         ctx.call = call
@@ -103,10 +183,11 @@ class _Fa4Function(torch.autograd.Function):
             lse,
             dlse,
             scale=call.scale,
-            lowering=call.lowering,
+            lowering=call.bwd_lowering,
             hooks=call.hooks,
             aux_tensors=aux,
             deterministic=call.deterministic,
+            block_sparse=call.bwd_sparse,
         )
         capture_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
         for slot, g in zip(call.grad_slots, grads):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from flexfa.codegen.triton.emit import provably_nonnegative
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.dtypes import DType
@@ -154,24 +155,6 @@ class Constants:
         return f"{CUTE_DTYPE[node.dtype]}({text})"
 
 
-def provably_nonnegative(node: Node) -> bool:
-    """A cheap sufficient check that an integer expression is >= 0 (indices, lengths, ...)."""
-    op = node.op
-    if op is Op.VAR:
-        return node.arg in ("b", "h", "q_idx", "kv_idx")
-    if op is Op.CONST:
-        return not node.dtype.is_bool and node.arg >= 0
-    if op in (Op.ADD, Op.MUL, Op.MIN, Op.FLOORDIV, Op.MOD):
-        return all(provably_nonnegative(s) for s in node.srcs)
-    if op is Op.MAX:
-        return any(provably_nonnegative(s) for s in node.srcs)
-    if op is Op.WHERE:
-        return all(provably_nonnegative(s) for s in node.srcs[1:])
-    if op is Op.CAST and node.dtype.is_int and node.srcs[0].dtype.is_int:
-        return provably_nonnegative(node.srcs[0])
-    return op is Op.CAST and node.srcs[0].dtype.is_bool
-
-
 class _Body:
     """Emits scalar SSA lines for a set of roots; constants and parameters are inlined."""
 
@@ -181,7 +164,6 @@ class _Body:
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
         self.reads: set[str] = set()
-        self._keep: list[Node] = []
 
     def name(self, node: Node) -> str:
         return self.names[id(node)]
@@ -190,7 +172,6 @@ class _Body:
         for n in toposort(roots):
             if id(n) in self.names:
                 continue
-            self._keep.append(n)
             if n.op is Op.CONST:
                 self.names[id(n)] = self.constants.literal(n)
             elif n.op is Op.VAR:
@@ -335,7 +316,7 @@ def _function(
     the forward and 4 in the backward), the scalar body, then the results as one vector."""
     sig = ", ".join(params)
     head = f"@cute.jit\ndef {name}({sig}):"
-    if len(head) > 100:
+    if len(f"def {name}({sig}):") > 100:
         joined = ",\n".join(f"    {p}" for p in params)
         head = f"@cute.jit\ndef {name}(\n{joined},\n):"
     body = "\n".join(f"        {line}" for line in lines)
@@ -346,7 +327,7 @@ def _function(
         f"    for i in cutlass.range_constexpr(n):\n"
         f"{body}\n"
         f"        result[i] = {result}\n"
-        f"    return result.load()\n"
+        f"    return result.load()"
     )
 
 

@@ -16,6 +16,7 @@ import torch
 
 from flexfa.codegen.cute.emit import AuxLayout
 from flexfa.codegen.cute.plan import MaskLowering
+from flexfa.codegen.cute.sparse import SparseLists
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,7 @@ def forward(
     hooks: Hooks,
     aux_tensors: list[torch.Tensor],
     arch: int | None = None,
+    block_sparse: SparseLists | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's forward. Returns (out in flexfa's layout, lse [B, H, Lq] natural log, out in FA4's
     layout for the backward)."""
@@ -65,6 +67,7 @@ def forward(
         score_mod=hooks.score_mod,
         mask_mod=hooks.mask_mod if not lowering.native else None,
         aux_tensors=aux_tensors or None,
+        block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         return_lse=True,
         _arch=arch,
         **lowering.fa4_kwargs(),
@@ -86,6 +89,7 @@ def backward(
     hooks: Hooks,
     aux_tensors: list[torch.Tensor],
     deterministic: bool,
+    block_sparse: SparseLists | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
     Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
@@ -105,6 +109,7 @@ def backward(
         score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
         mask_mod=hooks.mask_mod if not lowering.native else None,
         aux_tensors=aux_tensors or None,
+        block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         dlse=dlse,
         **lowering.fa4_kwargs(),
     )[:3]

@@ -59,6 +59,7 @@ def templates_digest() -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
 def versions() -> tuple[str, ...]:
     """flexfa, flash-attn-4, CuTe DSL and torch versions (package metadata: imports nothing)."""
     from importlib import metadata

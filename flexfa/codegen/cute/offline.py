@@ -80,6 +80,20 @@ def _hardware_info_without_gpu():
         cutlass.utils.HardwareInfo = saved
 
 
+def _fake_lists(lists):
+    """Block-sparse lists as (fake) CUDA tensors of the same shapes, inside FakeTensorMode."""
+    if lists is None:
+        return None
+    fields = ("mask_cnt", "mask_idx", "full_cnt", "full_idx")
+    return dataclasses.replace(
+        lists,
+        **{
+            f: torch.empty(getattr(lists, f).shape, dtype=torch.int32, device="cuda")
+            for f in fields
+        },
+    )
+
+
 def compile_call(
     score_mod,
     mask_mod,
@@ -91,6 +105,7 @@ def compile_call(
     seq_len: int = 1024,
     dtype: torch.dtype = torch.bfloat16,
     backward: bool = True,
+    block_sparse: bool = False,
 ) -> CompileReport:
     """Compile FA4's forward (and backward) for these mods and `arch`, keeping PTX in `out_dir`.
 
@@ -114,36 +129,96 @@ def compile_call(
     score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
     bm = resolve_block_mask(mask_mod, 1, num_heads, seq_len, seq_len, torch.device("cpu"))
     mask = None if bm.mask.is_trivially_true else bm.mask
-    lowering = backend.mask_lowering(mask, seq_len, seq_len)
-    grad_slots = score.grad_slots() if score is not None else frozenset()
-    hooks = backend.hooks_for(score, None if lowering.native else mask, grad_slots)
-    captured = [*(score.tensors if score is not None else ())]
-    if mask is not None and not lowering.native:
-        captured += mask.tensors
+    call = backend.plan_call(
+        score,
+        mask,
+        len_q=seq_len,
+        len_kv=seq_len,
+        needs_grad=backward,
+        scale=head_dim**-0.5,
+        block_mask=bm if block_sparse else None,
+        head_dim=head_dim,
+    )
+    captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
+    grad_slots = call.grad_slots
+    aux_specs = [(a.shape, a.dtype) for a in (launch.aux_tensor(t) for t in captured)]
     seconds: dict[str, float] = {}
     with _hardware_info_without_gpu(), FakeTensorMode():
         shape = (1, num_heads, seq_len, head_dim)
         q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
-        aux = [
-            torch.empty(a.shape, dtype=a.dtype, device="cuda")
-            for a in (launch.aux_tensor(t) for t in captured)
-        ]
+        aux = [torch.empty(shape, dtype=dt, device="cuda") for shape, dt in aux_specs]
         t0 = time.perf_counter()
         o, lse, o_fa4 = launch.forward(
-            q, k, v, scale=head_dim**-0.5, lowering=lowering, hooks=hooks, aux_tensors=aux,
-            arch=number,
+            q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux,
+            arch=number, block_sparse=_fake_lists(call.fwd_sparse),
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
         if backward:
             grads = [
                 torch.empty(score.tensors[s].shape or (1,), dtype=torch.float32, device="cuda")
-                for s in sorted(grad_slots)
+                for s in grad_slots
             ]
             t0 = time.perf_counter()
             launch.backward(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
-                lowering=lowering, hooks=hooks, aux_tensors=aux + grads, deterministic=False,
+                lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
+                deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
-    return CompileReport(arch, ptx, seconds, f"{lowering.kind}: {lowering.reason}")
+    lowering = call.lowering
+    text = f"{lowering.kind}: {lowering.reason}"
+    if call.bwd_lowering is not lowering:
+        text += f"; backward {call.bwd_lowering.kind}: {call.bwd_lowering.reason}"
+    text += "".join(
+        f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
+        ("backward", call.bwd_sparse)) if lists is not None
+    )  # fmt: skip
+    return CompileReport(arch, ptx, seconds, text)
+
+
+def export(
+    score_mod,
+    mask_mod,
+    *,
+    arch: str,
+    out_dir: str | Path,
+    num_heads: int = 4,
+    head_dim: int = 128,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[Path]:
+    """`python -m flexfa export ... --backend fa4`: the generated hooks (`mods.py`, `key.json`)
+    and the PTX of FA4's forward and backward kernels compiled with them for `arch` (and their
+    cubins), with no GPU needed. Returns the paths written."""
+    import json
+
+    from flexfa.api import _trace_score_mod
+    from flexfa.blockmask.bind import resolve_block_mask
+    from flexfa.codegen.cute import module
+
+    configure_arch(arch)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
+    mask = resolve_block_mask(mask_mod, 1, num_heads, 1, 1, torch.device("cpu")).mask
+    mask = None if mask.is_trivially_true else mask
+    slots = score.grad_slots() if score is not None else frozenset()
+    (out / "mods.py").write_text(module.render(score, mask, slots).source)
+    key = module.module_key(score, mask, slots)
+    (out / "key.json").write_text(json.dumps(dataclasses.asdict(key), indent=1) + "\n")
+    report = compile_call(
+        score_mod, mask_mod, arch=arch, out_dir=out, num_heads=num_heads, head_dim=head_dim,
+        dtype=dtype,
+    )  # fmt: skip
+    (out / f"compile_{arch}.json").write_text(
+        json.dumps(
+            {
+                "lowering": report.lowering,
+                "seconds": report.seconds,
+                "ptx": [p.name for p in report.ptx],
+            },
+            indent=1,
+        )
+        + "\n"
+    )
+    return [out / "mods.py", out / "key.json", out / f"compile_{arch}.json", *report.ptx]

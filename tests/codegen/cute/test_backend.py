@@ -1,0 +1,128 @@
+"""The "fa4" backend without a GPU: registration, its reasons for refusing a call, and that
+users who never ask for it never import cutlass or flash_attn."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+import flexfa
+from flexfa.api import build_spec
+from flexfa.backends import fa4
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def test_registered_but_not_chosen_by_auto():
+    assert "fa4" in flexfa.backends.names()
+    assert fa4.Fa4Backend.auto_device_types == frozenset()
+
+
+def test_cpu_inputs_are_refused_with_a_reason():
+    q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+    answer = fa4.Fa4Backend().supports(build_spec(q, q, q))
+    assert not answer and ("CUDA" in answer.reason or "not installed" in answer.reason)
+
+
+def test_missing_package_reason(monkeypatch):
+    fa4.missing_package.cache_clear()
+    real = fa4.metadata.version
+
+    def version(dist):
+        if dist == "flash-attn-4":
+            raise fa4.metadata.PackageNotFoundError(dist)
+        return real(dist)
+
+    monkeypatch.setattr(fa4.metadata, "version", version)
+    try:
+        assert fa4.missing_package() == "flash-attn-4 is not installed (pip install 'flexfa[fa4]')"
+        q = torch.randn(1, 2, 16, 64, dtype=torch.bfloat16)
+        assert (
+            "flash-attn-4 is not installed" in fa4.Fa4Backend().supports(build_spec(q, q, q)).reason
+        )
+    finally:
+        fa4.missing_package.cache_clear()
+
+
+def test_head_dim_rules_per_arch():
+    assert fa4.head_dims_supported(128, 128, 9) is None
+    assert fa4.head_dims_supported(256, 256, 9) is None
+    assert "divisible by 8" in fa4.head_dims_supported(68, 68, 9)
+    assert "sm90 takes head dims 8..256" in fa4.head_dims_supported(264, 264, 9)
+    assert fa4.head_dims_supported(192, 128, 10) is None
+    assert "sm100" in fa4.head_dims_supported(160, 160, 10)
+
+
+def test_other_backends_never_import_cutlass_or_flash_attn():
+    child = (
+        "import sys, torch, flexfa\n"
+        "q = torch.randn(1, 2, 16, 16)\n"
+        "flexfa.attention(q, q, q, block_mask=flexfa.masks.causal, backend='tiled')\n"
+        "print(flexfa.explain_backend(q, q, q))\n"
+        "print(sorted(m for m in sys.modules if m == 'cutlass' or m.startswith('flash_attn')))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    res = subprocess.run(
+        [sys.executable, "-c", child], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "fa4: no" in res.stdout
+    assert res.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_score_mod_backward_refused_where_fa4_gave_wrong_gradients():
+    # Note [Backward with a score_mod]: 64-row sm90 backward tiles whatever the mask.
+    assert fa4.score_mod_backward_unsupported(80, 9) is not None
+    assert fa4.score_mod_backward_unsupported(256, 9) is not None
+    assert fa4.score_mod_backward_unsupported(64, 9) is None
+    assert fa4.score_mod_backward_unsupported(128, 9) is None
+    assert fa4.score_mod_backward_unsupported(80, 10) is None
+
+
+def test_backward_with_a_score_mod_uses_the_mask_mod():
+    from flexfa.codegen.cute.backend import backward_lowering
+    from flexfa.codegen.cute.plan import lower_mask
+    from flexfa.frontend import trace_mask_mod
+
+    causal = lower_mask(trace_mask_mod(flexfa.masks.causal), 256, 256)
+    assert backward_lowering(causal, has_score_mod=False) is causal
+    assert backward_lowering(causal, has_score_mod=True).kind == "mask_mod"
+    full = lower_mask(None, 256, 256)
+    assert backward_lowering(full, has_score_mod=True) is full
+
+
+def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
+    """The autograd Function around FA4, with FA4's entry points replaced by stand-ins: which
+    lowering each pass gets, the aux-tensor list of each pass, and captured gradients written
+    into their buffers come back in the capture's dtype."""
+    from flexfa.codegen.cute import backend, launch
+
+    seen = {}
+
+    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, **kw):
+        seen["fwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors])
+        return q * 1.0, torch.zeros(q.shape[:3]), q.transpose(1, 2).contiguous()
+
+    def backward(q, k, v, out_fa4, dout, lse, dlse, *, lowering, aux_tensors, **kw):
+        seen["bwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors], dlse is not None)
+        aux_tensors[-1].add_(2.0)  # the gradient buffer of the one captured tensor
+        return dout.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+    table = torch.randn(4, 65, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.randn(1, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    spec = build_spec(q, q, q, flexfa.mods.relative_bias(table, 32), flexfa.masks.causal)
+    out, lse = backend.run(spec, q, q, q)
+    dq, dtable = torch.autograd.grad(out.float().sum() + lse.sum(), [q, table])
+    assert seen["fwd"] == ("causal", [(4, 65)])
+    # The backward passes the generated mask_mod (Note [Backward with a score_mod]) and one
+    # float32 gradient buffer after the captured tensors.
+    assert seen["bwd"] == ("mask_mod", [(4, 65), (4, 65)], True)
+    assert dtable.dtype == torch.bfloat16 and bool((dtable == 2.0).all())
+    assert torch.equal(dq, torch.ones_like(q))

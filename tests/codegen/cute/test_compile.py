@@ -1,0 +1,97 @@
+"""Compile-only: FA4's forward and backward kernels with flexfa's generated hooks, for sm_90a and
+sm_100a, on a machine without a GPU (`python -m flexfa export ... --backend fa4`). The PTX must
+hold the arch's tensor-core instructions: wgmma on Hopper, tcgen05.mma on Blackwell.
+
+Each compile runs in a fresh process: the CuTe DSL fixes its arch once per process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flexfa.backends.fa4 import missing_package
+
+ROOT = Path(__file__).resolve().parents[3]
+MMA = {"sm_90a": "wgmma.mma_async", "sm_100a": "tcgen05.mma"}
+
+pytestmark = pytest.mark.skipif(missing_package() is not None, reason=str(missing_package()))
+
+
+def export(tmp_path: Path, arch: str, mod: str, mask: str, extra: tuple[str, ...] = ()) -> dict:
+    out = tmp_path / arch
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-m", "flexfa", "export", mod, "--mask", mask, "--backend", "fa4"]
+    cmd += ["--arch", arch, "--out", str(out), "--num-heads", "4", *extra]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    report = json.loads((out / f"compile_{arch}.json").read_text())
+    ptx = {name: (out / f"ptx_{arch}" / name).read_text() for name in report["ptx"]}
+    return {"report": report, "ptx": ptx, "mods": (out / "mods.py").read_text()}
+
+
+def kernel(ptx: dict[str, str], which: str) -> str:
+    (text,) = [t for name, t in ptx.items() if which in name]
+    return text
+
+
+# CI compiles for sm_100a (nothing here can run it); sm_90a is compiled and run on the GPU tests.
+@pytest.mark.parametrize("arch", [pytest.param("sm_90a", marks=pytest.mark.slow), "sm_100a"])
+def test_alibi_causal_compiles_forward_and_backward(tmp_path, arch):
+    got = export(tmp_path, arch, "alibi", "causal")
+    assert got["report"]["lowering"].startswith("causal: proven")
+    fwd, bwd = kernel(got["ptx"], "flash_fwd"), kernel(got["ptx"], "flash_bwd_sm")
+    for text in (fwd, bwd):
+        assert f".target {arch}" in text
+        assert MMA[arch] in text
+    assert "def score_mod_alibi(" in got["mods"] and "def score_mod_bwd_alibi(" in got["mods"]
+
+
+MODS = ROOT / "tests" / "codegen" / "cute" / "compile_mods.py"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+def test_captured_gradients_and_a_document_mask_compile(tmp_path, arch):
+    got = export(tmp_path, arch, f"{MODS}:learned_bias", f"{MODS}:document")
+    assert got["report"]["lowering"].startswith("mask_mod")
+    bwd = kernel(got["ptx"], "flash_bwd_sm")
+    assert MMA[arch] in bwd
+    # The captured tensor's gradient: float32 atomic adds from the generated score_mod_bwd.
+    assert "atom.global.add.f32" in bwd or "red.global.add.f32" in bwd
+
+
+_SPARSE_CHILD = """
+import json, sys, torch, flexfa
+from flexfa.codegen.cute import offline
+ids = torch.repeat_interleave(torch.arange(8), 128)
+mask = flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(ids))
+report = offline.compile_call(
+    None, mask, arch="sm_90a", out_dir=sys.argv[1], block_sparse=True, head_dim=64
+)
+print(json.dumps({"lowering": report.lowering, "ptx": [str(p) for p in report.ptx]}))
+"""
+
+
+@pytest.mark.slow
+def test_block_sparse_lists_compile_for_sm90(tmp_path):
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run(
+        [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert "forward block-sparse" in got["lowering"] and "backward block-sparse" in got["lowering"]
+    bwd = [p for p in got["ptx"] if "flash_bwd_sm90" in p]
+    assert bwd and MMA["sm_90a"] in Path(bwd[0]).read_text()

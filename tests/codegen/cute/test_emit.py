@@ -1,0 +1,124 @@
+"""The generated CuTe DSL hooks: golden snapshots of whole modules, and what the emitter decides
+(aux-tensor positions, guarded loads, the gradient scatter, where constants come from)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.codegen.cute import emit
+from flexfa.codegen.cute import module as cmodule
+from flexfa.frontend import trace_mask_mod, trace_score_mod
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def _golden_cases():
+    table = torch.zeros(8, 33, requires_grad=True)
+
+    def relative_bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(q_idx - kv_idx, -16, 16) + 16]
+
+    doc = torch.zeros(2, 64, dtype=torch.int32)
+    return {
+        "alibi_causal": (flexfa.mods.alibi.bind(8), flexfa.masks.causal),
+        "relative_bias_prefix_lm": (relative_bias, flexfa.masks.prefix_lm(100)),
+        "softcap_document": (
+            flexfa.mods.softcap(30.0),
+            flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(doc)),
+        ),
+    }
+
+
+def _render(score_mod, mask_mod) -> str:
+    score = trace_score_mod(score_mod)
+    mask = trace_mask_mod(mask_mod)
+    return cmodule.render(score, mask, score.grad_slots()).source
+
+
+@pytest.mark.parametrize("name", sorted(_golden_cases()))
+def test_golden_generated_source(name):
+    """The generated module, byte for byte. After an intended change, regenerate with
+    FLEXFA_UPDATE_GOLDEN=1 pytest tests/codegen/cute -k golden, and review the diff."""
+    src = _render(*_golden_cases()[name])
+    path = GOLDEN / f"{name}.py.txt"
+    if os.environ.get("FLEXFA_UPDATE_GOLDEN"):
+        path.write_text(src)
+    assert path.exists(), f"no golden file {path.name}; run with FLEXFA_UPDATE_GOLDEN=1"
+    assert src == path.read_text(), f"generated source for {name} changed; see the docstring"
+
+
+def test_generated_module_is_valid_python_with_fa4_signatures():
+    src = _render(*_golden_cases()["relative_bias_prefix_lm"])
+    compile(src, "mods.py", "exec")  # parses
+    assert (
+        "def score_mod_relative_bias(score_ssa, b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors)"
+        in src
+    )
+    assert "def mask_mod_prefix_lm(b_idx, h_idx, q_idx, kv_idx, seqlen_info, aux_tensors)" in src
+    assert "grad_ssa,\n    score_ssa,\n    b_idx," in src
+    assert "SCORE_MOD = score_mod_relative_bias" in src
+    assert "MASK_MOD = mask_mod_prefix_lm" in src
+
+
+def test_aux_layout_orders_score_then_mask_then_gradients():
+    a = torch.zeros(4, requires_grad=True)
+    c = torch.zeros(4)
+    ids = torch.zeros(16, dtype=torch.int64)
+
+    def two(score, b, h, q_idx, kv_idx):
+        return score * a[h] + c[h]
+
+    score = trace_score_mod(two)
+    mask = trace_mask_mod(flexfa.masks.document(ids))
+    layout = emit.AuxLayout.of(score, mask, score.grad_slots())
+    assert layout.grad_slots == (0,)
+    assert (layout.score_capture(1), layout.mask_capture(0), layout.grad_buffer(0)) == (1, 2, 3)
+    rendered = cmodule.render(score, mask, score.grad_slots())
+    bwd = rendered.score_mod_bwd.source
+    # d out / d a[h] = score, scattered into the gradient buffer at aux position 3; no scatter
+    # for c (it does not require grad).
+    assert "flexfa_atomic_add(c0, aux_tensors[3], h)" in bwd
+    assert bwd.count("flexfa_atomic_add") == 1
+    assert "aux_tensors[2]" in rendered.mask_mod.source
+
+
+def test_loads_are_guarded_and_clamped():
+    table = torch.zeros(8)
+
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx - kv_idx]
+
+    src = emit.emit_mod(trace_score_mod(shifted), "f", emit.AuxLayout(1, 0, ())).source
+    # q - kv may be negative: both bounds are checked, and the read index is clamped into range.
+    assert "(t0 >= 0) & (t0 < aux_tensors[0].shape[0])" in src
+    assert "aux_tensors[0][flexfa_clamp(t0, aux_tensors[0].shape[0])]" in src
+
+
+def test_backward_comes_from_autodiff():
+    src = emit.emit_score_mod_bwd(
+        trace_score_mod(flexfa.mods.softcap(20.0)),
+        trace_score_mod(flexfa.mods.softcap(20.0)).gradient(),
+        "g",
+        emit.AuxLayout(0, 0, ()),
+    ).source
+    # d/ds 20 tanh(s / 20) = 1 - tanh(s / 20)**2: the body recomputes tanh and multiplies grad.
+    assert "cute.math.tanh(" in src
+    assert "result[i] = grad * t" in src
+
+
+class _Marked(emit.Constants):
+    def literal(self, node):
+        return "LIFTED" if node.dtype.is_float else super().literal(node)
+
+
+def test_every_constant_comes_from_constants():
+    """Note [Constants in generated CuTe source]: one place prints constants, so lifting scalars
+    into aux_scalars later changes `Constants` only."""
+    traced = trace_score_mod(flexfa.mods.softcap(30.0))
+    src = emit.emit_mod(traced, "f", emit.AuxLayout(0, 0, ()), _Marked()).source
+    assert "LIFTED" in src and "30.0" not in src

@@ -1,0 +1,235 @@
+"""The "fa4" backend on a real GPU: generated hooks inside FA4's kernels, against the float64
+reference (three-way rule), forward and backward, including captured-tensor gradients.
+
+Skipped without CUDA (and without flash-attn-4). Run on a GPU machine with
+`pytest -q -m gpu tests/codegen/cute`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import pytest
+import torch
+
+import flexfa
+from flexfa import masks as fm
+from flexfa import mods as fmods
+from flexfa.backends.fa4 import missing_package
+from flexfa.reference import reference_attention
+from tests.tolerance import ThreeWay
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(missing_package() is not None, reason=str(missing_package())),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuCase:
+    name: str
+    batch: int
+    heads_q: int
+    heads_kv: int
+    len_q: int
+    len_kv: int
+    head_dim: int
+    dtype: torch.dtype
+    build: Callable  # (case, device) -> (score_mod | None, mask_mod | None, learnable params)
+    lowering: str  # the mask lowering the backend must choose
+    block_sparse: bool = False  # kernel_options={"block_sparse": True}
+
+    def __str__(self) -> str:
+        return (
+            f"{self.name}-B{self.batch}-H{self.heads_q}/{self.heads_kv}-L{self.len_q}x{self.len_kv}"
+            f"-D{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
+            + ("-sparse" if self.block_sparse else "")
+        )
+
+
+def _causal(case, dev):
+    return None, fm.causal, ()
+
+
+def _alibi_causal(case, dev):
+    return fmods.alibi.bind(case.heads_q), fm.causal, ()
+
+
+def _softcap_window(case, dev):
+    return fmods.softcap(20.0), fm.sliding_window(300), ()
+
+
+def _bidirectional_window(case, dev):
+    return None, fm.sliding_window(200, causal=False), ()
+
+
+def _prefix_lm(case, dev):
+    return fmods.softcap(30.0), fm.prefix_lm(300), ()
+
+
+def _dilated(case, dev):
+    return None, fm.dilated_sliding_window(256, 3), ()
+
+
+def _document_causal(case, dev):
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(50, 700, (64,), generator=g)
+    ids = torch.repeat_interleave(torch.arange(64), lengths)[: case.len_q]
+    ids = torch.stack([ids, ids.roll(37)]).sort(-1).values[: case.batch].to(dev)
+    return None, fm.and_masks(fm.causal, fm.document(ids)), ()
+
+
+def _relative_bias(case, dev):
+    g = torch.Generator().manual_seed(4)
+    table = (0.5 * torch.randn(case.heads_q, 2 * 256 + 1, generator=g)).to(dev).requires_grad_()
+    return fmods.relative_bias(table), fm.causal, (table,)
+
+
+def _key_bias(case, dev):
+    # A 1-d captured tensor indexed by kv_idx and a 0-d one: both get gradients. (A bias indexed
+    # by h alone would have a gradient of exactly 0: every row's dS sums to 0.)
+    g = torch.Generator().manual_seed(5)
+    bias = torch.randn(case.len_kv, generator=g).to(dev).requires_grad_()
+    temp = torch.tensor(0.7, device=dev).requires_grad_()
+
+    def key_bias(score, b, h, q_idx, kv_idx):
+        return score * temp + bias[kv_idx]
+
+    return key_bias, None, (bias, temp)
+
+
+def _no_mask(case, dev):
+    return None, None, ()
+
+
+def _empty_rows(case, dev):
+    # Rows below 100 see nothing: output 0, LSE -inf, zero gradients.
+    return None, lambda b, h, q, kv: (q >= 100) & (kv <= q), ()
+
+
+bf16, f16 = torch.bfloat16, torch.float16
+CASES = [
+    GpuCase("causal", 2, 4, 4, 1024, 1024, 64, bf16, _causal, "causal"),
+    GpuCase("causal", 1, 2, 2, 1000, 1000, 128, f16, _causal, "causal"),
+    # Lq > Lkv: top-left causal is FA4's window with a right bound; Lq < Lkv: not native.
+    GpuCase("alibi_causal", 1, 8, 2, 2048, 1536, 128, bf16, _alibi_causal, "window"),
+    GpuCase("causal", 1, 4, 4, 700, 1300, 64, bf16, _causal, "mask_mod"),
+    GpuCase("softcap_window", 1, 4, 4, 4096, 4096, 128, bf16, _softcap_window, "window"),
+    GpuCase("bidirectional_window", 1, 2, 2, 1111, 1111, 64, bf16, _bidirectional_window, "window"),
+    GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod"),
+    GpuCase("dilated", 1, 2, 2, 1024, 1024, 64, f16, _dilated, "mask_mod"),
+    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, _document_causal, "mask_mod"),
+    GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, bf16, _relative_bias, "causal"),
+    GpuCase("relative_bias", 1, 4, 2, 1000, 1000, 64, bf16, _relative_bias, "causal"),
+    GpuCase("key_bias", 2, 4, 4, 513, 777, 64, bf16, _key_bias, "full"),
+    GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, _no_mask, "full"),
+    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, _empty_rows, "mask_mod"),
+    GpuCase("causal", 1, 2, 2, 1024, 1024, 256, bf16, _causal, "causal"),
+    # FA4's block-sparse lists from the BlockMask (opt-in, Note [Block-sparse lists for FA4]).
+    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, _document_causal, "mask_mod", True),
+    GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod", True),
+    GpuCase("dilated", 1, 2, 2, 1024, 1024, 128, f16, _dilated, "mask_mod", True),
+    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, _empty_rows, "mask_mod", True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_fa4_matches_reference_on_gpu(case: GpuCase) -> None:
+    from flexfa.api import build_spec
+    from flexfa.codegen.cute.backend import make_call
+
+    dev = "cuda"
+    torch.manual_seed(0)
+    score_mod, mask_mod, params = case.build(case, dev)
+    shape_q = (case.batch, case.heads_q, case.len_q, case.head_dim)
+    shape_kv = (case.batch, case.heads_kv, case.len_kv, case.head_dim)
+    q = torch.randn(shape_q, device=dev, dtype=case.dtype, requires_grad=True)
+    k = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
+    v = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
+    gqa = case.heads_q != case.heads_kv
+    options = {"block_sparse": True} if case.block_sparse else None
+    spec = build_spec(q, k, v, score_mod, mask_mod, enable_gqa=gqa, kernel_options=options)
+    call = make_call(spec)
+    assert call.lowering.kind == case.lowering
+    assert (call.fwd_sparse is not None) == case.block_sparse
+    out, lse = flexfa.attention(
+        q,
+        k,
+        v,
+        score_mod,
+        mask_mod,
+        enable_gqa=gqa,
+        return_lse=True,
+        backend="fa4",
+        kernel_options=options,
+    )
+    do = torch.randn_like(out)
+    inputs = (q, k, v, *params)
+    grads = torch.autograd.grad(out, inputs, do)
+
+    check = ThreeWay(case.dtype, context=str(case))
+    for dtype, label in ((torch.float64, "ref"), (case.dtype, "eager")):
+        o, l = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=gqa, dtype=dtype)
+        g = torch.autograd.grad(o, inputs, do.to(o.dtype))
+        if label == "ref":
+            ref = (o, l, g)
+        else:
+            eager = (o, l, g)
+    check("out", out, eager[0], ref[0])
+    check("lse", lse, eager[1].float(), ref[1], atol=1e-3)
+    names = ("dq", "dk", "dv", *(f"dparam{i}" for i in range(len(params))))
+    for name, a, e, r in zip(names, grads, eager[2], ref[2]):
+        check(name, a, e, r)
+    check.assert_ok()
+    if case.name == "empty_rows":
+        assert torch.isneginf(lse[:, :, :100]).all()
+        assert (out[:, :, :100] == 0).all()
+        assert (grads[0][:, :, :100] == 0).all()
+    for g in grads:
+        assert torch.isfinite(g).all()
+
+
+def test_lse_gradient_on_gpu() -> None:
+    """A loss that uses the LSE backpropagates through FA4's dlse path."""
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, 600, 64, device="cuda", dtype=bf16, requires_grad=True) for _ in range(3)
+    )
+    out, lse = flexfa.attention(q, k, v, block_mask=fm.causal, return_lse=True, backend="fa4")
+    (dq,) = torch.autograd.grad((out.float().sum() + lse.sum()), (q,))
+    o, l = reference_attention(q, k, v, None, fm.causal, dtype=torch.float64)
+    (dq_ref,) = torch.autograd.grad(o.sum() + l.sum(), (q,))
+    oe, le = reference_attention(q, k, v, None, fm.causal, dtype=bf16)
+    (dq_eager,) = torch.autograd.grad(oe.float().sum() + le.float().sum(), (q,))
+    check = ThreeWay(bf16)
+    check("dq", dq, dq_eager, dq_ref)
+    check.assert_ok()
+
+
+def test_deterministic_refused_for_captured_gradients_on_gpu() -> None:
+    q = k = v = torch.randn(1, 2, 256, 64, device="cuda", dtype=bf16)
+    table = torch.randn(2, 65, device="cuda", requires_grad=True)
+    with pytest.raises(ValueError, match="deterministic=True is not honoured"):
+        flexfa.attention(q, k, v, fmods.relative_bias(table), backend="fa4", deterministic=True)
+    # Without captured gradients it runs (FA4's own deterministic backward).
+    out = flexfa.attention(q, k, v, block_mask=fm.causal, backend="fa4", deterministic=True)
+    assert torch.isfinite(out).all()
+
+
+def test_score_mod_gradients_refused_at_64_row_backward_tiles_on_gpu() -> None:
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("an sm90 rule")
+    q = torch.randn(1, 2, 256, 80, device="cuda", dtype=bf16, requires_grad=True)
+    with pytest.raises(ValueError, match="64-row tiles"):
+        flexfa.attention(q, q, q, fmods.softcap(20.0), backend="fa4")
+    with torch.no_grad():  # the forward alone is fine
+        assert torch.isfinite(flexfa.attention(q, q, q, fmods.softcap(20.0), backend="fa4")).all()
+
+
+def test_unsupported_inputs_explained_on_gpu() -> None:
+    q = torch.randn(1, 2, 128, 64, device="cuda", dtype=torch.float32)
+    text = flexfa.explain_backend(q, q, q)
+    assert "fa4: no (FA4 takes float16 or bfloat16 inputs" in text
+    q = torch.randn(1, 2, 128, 68, device="cuda", dtype=bf16)
+    assert "divisible by 8" in flexfa.explain_backend(q, q, q)
