@@ -23,9 +23,8 @@ from pathlib import Path
 
 import jinja2
 
+from flexfa import diskcache
 from flexfa.codegen.cute import emit
-from flexfa.codegen.triton.module import atomic_write, import_file
-from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
@@ -157,29 +156,26 @@ def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozense
     return Rendered(score_src, bwd_src, mask_src, aux, source)
 
 
-def module_dir(key: ModuleKey) -> Path:
-    return config.cache_dir / "cute" / key.digest[:24]
-
-
 def load_module(
     score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
 ) -> tuple[ModuleKey, types.ModuleType]:
-    """The generated module for these mods, imported (this imports cutlass and flash_attn):
-    from memory, else from disk, else rendered now."""
+    """The generated module for these mods, imported (this imports cutlass and flash_attn): from
+    memory, else rendered and checked against the disk copy, else rendered and written — the
+    rules of every flexfa disk cache (Note [Disk caches] in flexfa/diskcache.py)."""
     key = module_key(score, mask, grad_slots)
     with _lock:
         module = _modules.get(key.digest)
         if module is not None:
             return key, module
-        directory = module_dir(key)
-        path = directory / "mods.py"
-        if not path.exists():
-            atomic_write(path, render(score, mask, grad_slots).source)
-            atomic_write(
-                directory / "key.json", json.dumps(dataclasses.asdict(key), indent=1) + "\n"
-            )
-        module = import_file(path, f"flexfa_cute_{key.digest[:24]}")
-        _modules[key.digest] = module
+        loaded = diskcache.load_generated(
+            "cute",
+            key.digest[:24],
+            lambda: render(score, mask, grad_slots).source,
+            f"flexfa_cute_{key.digest[:24]}",
+            key=dataclasses.asdict(key),
+            file_name="mods.py",
+        )
+        module = _modules[key.digest] = loaded.module
         return key, module
 
 

@@ -20,10 +20,8 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import importlib.util
 import logging
 import os
-import sys
 import threading
 import types
 from pathlib import Path
@@ -182,22 +180,6 @@ def module_dir(key: ModuleKey) -> Path | None:
     """The directory the disk cache keeps this module in (None when modules stay in memory)."""
     root = diskcache.directory("triton")
     return root / key.digest[:24] if root is not None else None
-
-
-def atomic_write(path: Path, text: str) -> None:
-    """Write `text` to `path` atomically (raises OSError; see `flexfa.diskcache.atomic_write`)."""
-    diskcache.atomic_write(path, text.encode())
-
-
-def import_file(path: Path, name: str) -> types.ModuleType:
-    """Execute the file at `path` as it is, unchecked. Generated modules go through
-    `flexfa.diskcache.load_generated` instead, which executes only what flexfa renders."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # Triton resolves helper functions through the module's globals
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_module(
