@@ -18,6 +18,7 @@ from flexfa.config import config
 from flexfa.export import export_source
 from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
 from flexfa.masks import and_masks, noop_mask, or_masks
+from flexfa.merge import merge_attention
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "explain_backend",
     "export_source",
     "masks",
+    "merge_attention",
     "mods",
     "noop_mask",
     "or_masks",
