@@ -11,7 +11,6 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -55,9 +54,7 @@ def test_matches_single_process(world, tmp_path):
         nprocs=world,
         join=True,
     )
-    failures = [
-        (tmp_path / f"rank{r}.txt").read_text() for r in range(world)
-    ]
+    failures = [(tmp_path / f"rank{r}.txt").read_text() for r in range(world)]
     failures = [f for f in failures if f]
     assert not failures, "\n\n".join(failures)
 
