@@ -14,7 +14,9 @@
 # the tiled backend's causal forward at L = 16384 (README) does about 4e10 FLOP/s on one quiet core,
 # taken at half for shared machines; the per-CP-block overhead is a guess. CUDA: nominal NVLink and
 # tensor-core rates, not yet measured. When the gathered K/V would not fit in half the free GPU
-# memory, the ring is chosen whatever the times. The choice and its numbers are logged at DEBUG level.
+# memory, the ring is chosen whatever the times. Each rank knows only its own blocks, so the ranks
+# take the maximum of their estimates in one small all-reduce before choosing (they must agree).
+# The choice and its numbers are logged at DEBUG level.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,21 +81,32 @@ def estimate(plan, q: torch.Tensor, Hkv: int, E: int, Ev: int) -> tuple[float, f
 
 
 def choose(plan, q: torch.Tensor, Hkv: int, E: int, Ev: int) -> Choice:
+    """The method for `plan`'s call, the same on every rank of its group.
+
+    Each rank estimates its own times (it knows only its own blocks); one small all-reduce takes
+    the slowest rank's estimates and whether any rank lacks the memory for the all-gather, so all
+    ranks choose alike (a rank on the ring while another gathers would deadlock)."""
     ring, allgather, gathered = estimate(plan, q, Hkv, E, Ev)
+    free = None
     if q.device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(q.device)
-        if gathered > free // 2:
-            return Choice(
-                "ring",
-                f"the gathered K/V ({gathered / 2**20:.0f} MiB) would exceed half the free GPU "
-                f"memory ({free / 2**20:.0f} MiB)",
-                ring,
-                allgather,
-            )
+    short = float(free is not None and gathered > free // 2)
+    if plan.g.world_size > 1:
+        t = torch.tensor([ring, allgather, short], dtype=torch.float64, device=q.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=plan.g.group)
+        ring, allgather, short = t.tolist()
+    if short:
+        return Choice(
+            "ring",
+            f"the gathered K/V ({gathered / 2**20:.0f} MiB) would exceed half the free GPU memory "
+            "of a rank",
+            ring,
+            allgather,
+        )
     method = "ring" if ring <= allgather else "allgather"
     reason = (
-        f"estimated ring {ring * 1e3:.3f} ms vs allgather {allgather * 1e3:.3f} ms "
-        f"(W={plan.g.world_size}, {sum(len(t) for t in plan.steps)} of {plan.total_blocks} "
-        "blocks non-empty)"
+        f"estimated ring {ring * 1e3:.3f} ms vs allgather {allgather * 1e3:.3f} ms on the slowest "
+        f"rank (W={plan.g.world_size}; this rank computes {sum(len(t) for t in plan.steps)} of "
+        f"{plan.total_blocks} CP blocks)"
     )
     return Choice(method, reason, ring, allgather)

@@ -169,10 +169,14 @@ def _auto(fail: _Failures) -> None:
     finally:
         logger.removeHandler(records)
         logger.setLevel(old)
+    chosen = [m for m in records.messages if " uses ring" in m or " uses allgather" in m]
+    fail.check("method='auto' logs its choice at DEBUG", bool(chosen), repr(records.messages))
+    # Every rank must take the same method (a rank on the ring beside one gathering would hang).
+    mine = torch.tensor([1 if chosen and " uses ring" in chosen[0] else 0])
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
     fail.check(
-        "method='auto' logs its choice at DEBUG",
-        any(" uses ring" in m or " uses allgather" in m for m in records.messages),
-        repr(records.messages),
+        "method='auto' agrees across ranks", len(set(int(t) for t in every)) == 1, repr(every)
     )
 
 
