@@ -120,16 +120,25 @@ def block_mask(
     if mask is not None:
         mask = shift_mask(mask, q_start, kv_start, device)
     bm = resolve_block_mask(mask, B, Hq, q_len, kv_len, device)
-    if int(bm.kv_partial.count.sum()) + int(bm.kv_full.count.sum()) == 0:
-        return None
-    return bm
+    return None if sum(tile_counts(bm)) == 0 else bm
+
+
+_counts: collections.OrderedDict[int, tuple[BlockMask, tuple[int, int]]] = collections.OrderedDict()
 
 
 def tile_counts(bm: BlockMask | None) -> tuple[int, int]:
-    """(full, partial) tiles of a block mask (per batch element and head it stores)."""
+    """(full, partial) tiles of a block mask (summed over the batch elements and heads it stores).
+
+    Remembered per BlockMask (the block-mask cache returns the same object on later calls), so a
+    training step does not pay a device-to-host copy per CP block to learn what it knew."""
     if bm is None:
         return 0, 0
-    return int(bm.kv_full.count.sum()), int(bm.kv_partial.count.sum())
+    hit = _counts.get(id(bm))
+    if hit is not None and hit[0] is bm:
+        return hit[1]
+    counts = (int(bm.kv_full.count.sum()), int(bm.kv_partial.count.sum()))
+    _lru_put(_counts, id(bm), (bm, counts))
+    return counts
 
 
 def block_spec(

@@ -26,6 +26,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from flexfa.distributed import blocks
+
 
 @dataclasses.dataclass(frozen=True)
 class Machine:
@@ -62,7 +64,7 @@ def estimate(plan, q: torch.Tensor, Hkv: int, E: int, Ev: int) -> tuple[float, f
         pairs = 0.0
         for _, _, bm in todo:
             per = bm.block_size.q * bm.block_size.kv * (B * Hq) / (bm.batch * bm.heads)
-            pairs += (int(bm.kv_full.count.sum()) + int(bm.kv_partial.count.sum())) * per
+            pairs += sum(blocks.tile_counts(bm)) * per
         compute.append(pairs * 2 * (E + Ev) / m.flops + len(todo) * m.launch)
     elem = q.element_size()
     shard = B * Hkv * layout.max_local_length * (E + Ev) * elem
