@@ -42,6 +42,8 @@ def _plan(world: int) -> list[tuple[str, object, str]]:
             plan += [(name, *combos[(n + world) % 4]), (name, *combos[(n + world + 2) % 4])]
     plan.append(("document_causal", "document", "ring" if world != 3 else "allgather"))
     plan.append(("auto", None, "auto"))
+    if world != 3:
+        plan.append(("groups", None, ""))
     plan.append(("errors", None, ""))
     return plan
 

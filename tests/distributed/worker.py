@@ -109,7 +109,7 @@ class _Failures:
             self.items.append(f"rank {self.rank}, {what} raised:\n{traceback.format_exc()}")
 
 
-def _one(fail: _Failures, name: str, balance, method: str, seed: int) -> None:
+def _one(fail: _Failures, name: str, balance, method: str, seed: int, group=None) -> None:
     case = CASES[name](seed)
     B, Hq, Hkv = case["B"], case["Hq"], case["Hkv"]
     q, k, v, dout, dlse = _inputs(seed, B, Hq, Hkv)
@@ -126,27 +126,55 @@ def _one(fail: _Failures, name: str, balance, method: str, seed: int) -> None:
     caps_l = {n: t.detach().clone().requires_grad_(True) for n, t in caps.items()}
     score_l = case["score"](*caps_l.values()) if case["score"] else None
     ql, kl, vl = (
-        t.detach().requires_grad_(True) for t in shard_sequence((q, k, v), balance=balance)
+        t.detach().requires_grad_(True)
+        for t in shard_sequence((q, k, v), group=group, balance=balance)
     )
     out, lse = context_parallel_attention(
-        ql, kl, vl, score_l, case["mask"], balance=balance, method=method, return_lse=True, **kw
+        ql,
+        kl,
+        vl,
+        score_l,
+        case["mask"],
+        group=group,
+        balance=balance,
+        method=method,
+        return_lse=True,
+        **kw,
     )
-    dout_l = shard_sequence(dout, balance=balance)
-    dlse_l = shard_sequence(dlse, balance=balance, dim=-1)
+    dout_l = shard_sequence(dout, group=group, balance=balance)
+    dlse_l = shard_sequence(dlse, group=group, balance=balance, dim=-1)
     loss = (out * dout_l).sum() + (torch.where(torch.isinf(lse), 0, lse) * dlse_l).sum()
     loss.backward()
-    what = f"{name}, balance={balance}, method={method}"
-    fail.close(f"{what}: out", unshard_sequence(out, balance=balance), out_ref)
-    fail.close(f"{what}: lse", unshard_sequence(lse, balance=balance, dim=-1), lse_ref)
+    what = f"{name}, balance={balance}, method={method}, group={group_name(group)}"
+    fail.close(f"{what}: out", unshard_sequence(out, group=group, balance=balance), out_ref)
+    fail.close(f"{what}: lse", unshard_sequence(lse, group=group, balance=balance, dim=-1), lse_ref)
     for n, t in (("dq", ql), ("dk", kl), ("dv", vl)):
-        full = unshard_sequence(t.grad, balance=balance)
+        full = unshard_sequence(t.grad, group=group, balance=balance)
         fail.close(f"{what}: {n}", full, grads_ref[("dq", "dk", "dv").index(n)])
     for (n, t), g_ref in zip(caps_l.items(), grads_ref[3:]):
         # Each rank holds the part from its own queries; the sum over the group is the gradient.
         g = t.grad.clone()
-        dist.all_reduce(g)
+        dist.all_reduce(g, group=group.get_group() if hasattr(group, "get_group") else group)
         fail.close(f"{what}: d{n} (summed over ranks)", g, g_ref)
     fail.check(f"{what}: no NaN", not (out.isnan().any() or ql.grad.isnan().any()))
+
+
+def group_name(group) -> str:
+    return "default" if group is None else type(group).__name__
+
+
+def _groups(fail: _Failures, world: int, seed: int) -> None:
+    """A 1-D DeviceMesh, and at W = 4 two subgroups {0, 2} and {1, 3} (ranks in a group differ
+    from global ranks, so the ring must address its neighbours by their global ranks)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
+    _one(fail, "window_alibi", "head_tail", "ring", seed, group=mesh)
+    if world == 4:
+        groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        mine = groups[dist.get_rank() % 2]
+        _one(fail, "full_bias", "head_tail", "ring", seed, group=mine)
+        _one(fail, "causal", "none", "allgather", seed, group=mine)
 
 
 class _Records(logging.Handler):
@@ -218,6 +246,8 @@ def run(rank: int, world: int, port: int, plan: list[tuple[str, object, str]], o
         for i, (name, balance, method) in enumerate(plan):
             if name == "auto":
                 fail.run("auto", _auto, fail)
+            elif name == "groups":
+                fail.run("groups", _groups, fail, world, i)
             elif name == "errors":
                 fail.run("errors", _errors, fail, world)
             else:
