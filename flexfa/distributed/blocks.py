@@ -206,12 +206,14 @@ def backward(
     elif impl.name == "triton":
         from flexfa.codegen.triton.backend import Launcher
 
+        # The CP block's q, k, v, out and LSE are row slices of larger tensors: the kernels get
+        # dense copies (dq, dk and dv are allocated like them).
         dq, dk, dv, grads = Launcher(spec).backward(
-            q,
-            k,
-            v,
-            out.to(q.dtype),
-            lse,
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            out.to(q.dtype).contiguous(),
+            lse.contiguous(),
             dout,
             dlse,
             tuple(t.contiguous() for t in score_tensors),
