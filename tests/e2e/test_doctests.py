@@ -18,8 +18,6 @@ MODULES = [
     "flexfa.masks",
     "flexfa.merge",
     "flexfa.paged",
-
-
     "flexfa.codegen.cute.plan",
     "flexfa.backends.fa4",
 ]
