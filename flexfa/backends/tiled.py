@@ -167,7 +167,12 @@ def _scores(
     if spec.score_mod is None:
         return s, None
     assert env is not None
-    ev = Evaluator({**env, "score": s}, score_tensors, float_dtype=plan.compute_dtype)
+    ev = Evaluator(
+        {**env, "score": s},
+        score_tensors,
+        float_dtype=plan.compute_dtype,
+        scalars=spec.score_mod.scalar_values,
+    )
     s_mod = ev(spec.score_mod.output).to(plan.compute_dtype)
     return s_mod.expand_as(s), ev
 

@@ -85,7 +85,7 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
 def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -> list:
     if traced is None:
         return []
-    return emit.capture_values(tensors)
+    return emit.mod_values(traced, tensors)
 
 
 class Launcher:
