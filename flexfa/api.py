@@ -10,6 +10,7 @@ import torch
 from flexfa import backends
 from flexfa.blockmask.bind import resolve_block_mask
 from flexfa.blockmask.block_mask import BlockMask
+from flexfa.compiled import compiled_attention
 from flexfa.frontend.trace import TracedMod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
@@ -59,6 +60,20 @@ def attention(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if torch.compiler.is_compiling():  # Note [flexfa under torch.compile]
+        out, lse = compiled_attention(
+            q,
+            k,
+            v,
+            score_mod,
+            block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            backend=backend,
+            kernel_options=kernel_options,
+            deterministic=deterministic,
+        )
+        return (out, lse) if return_lse else out
     spec = build_spec(
         q,
         k,

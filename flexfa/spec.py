@@ -37,6 +37,9 @@ class AttentionSpec:
     needs_grad: bool
     deterministic: bool = False
     kernel_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Which captured tensors of the score_mod get gradients, when the tensors themselves cannot say
+    #: (inside a torch.library op they do not require grad); None: those that require grad.
+    capture_grads: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         if self.heads_q % self.heads_kv:
@@ -57,6 +60,8 @@ class AttentionSpec:
         """Captured tensors of the score_mod whose gradients the backward must compute."""
         if self.score_mod is None or not self.needs_grad:
             return frozenset()
+        if self.capture_grads is not None:
+            return self.capture_grads
         return self.score_mod.grad_slots()
 
 

@@ -399,6 +399,20 @@ class TiledBackend(Backend):
     def supports(self, spec: AttentionSpec) -> Support:
         return Support.yes()
 
+    def forward(self, spec, q, k, v):
+        score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+        out, lse = _forward(_Plan(spec, q.device), q, k, v, score_tensors)
+        return out.to(q.dtype), lse, out
+
+    def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
+        score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+        plan = _Plan(spec, q.device)
+        dq, dk, dv, buffers = _backward(
+            plan, q, k, v, saved.to(plan.compute_dtype), lse, dout, dlse, score_tensors, grad_slots
+        )
+        grads = {i: b.to(score_tensors[i].dtype) for i, b in buffers.items()}
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
+
     def run(self, spec, q, k, v):
         plan = _Plan(spec, q.device)
         score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()

@@ -448,6 +448,12 @@ class _TritonFunction(torch.autograd.Function):
         return None, dq, dk, dv, *capture_grads
 
 
+def _score_tensors(spec: AttentionSpec) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
+    )
+
+
 class TritonBackend(Backend):
     """Generated Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
 
@@ -481,6 +487,18 @@ class TritonBackend(Backend):
         except (ValueError, TypeError) as e:
             return Support.no(str(e))
         return Support.yes()
+
+    def forward(self, spec, q, k, v):
+        out, lse = Launcher(spec).forward(q, k, v, _score_tensors(spec))
+        return out, lse, out
+
+    def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
+        launcher = Launcher(spec)
+        dq, dk, dv, grads = launcher.backward(
+            q, k, v, saved.to(q.dtype), lse, dout, dlse, _score_tensors(spec), grad_slots
+        )
+        tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+        return dq, dk, dv, {i: g.to(tensors[i].dtype) for i, g in grads.items()}
 
     def run(self, spec, q, k, v):
         launcher = Launcher(spec)
