@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from flexfa import backends
-from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask
+from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.mods import HeadsDependentMod
@@ -213,7 +213,7 @@ def _mask_parts(block_mask: Any) -> tuple[Callable[..., Any] | None, BlockSize]:
                 "outside the compiled region"
             )
         return block_mask.mask.fn, block_mask.block_size
-    if _is_torch_block_mask(block_mask):
+    if is_torch_block_mask(block_mask):
         bq, bkv = block_mask.BLOCK_SIZE
         return block_mask.mask_mod, BlockSize(int(bq), int(bkv))
     if callable(block_mask):
@@ -222,11 +222,6 @@ def _mask_parts(block_mask: Any) -> tuple[Callable[..., Any] | None, BlockSize]:
         "block_mask must be a flexfa.BlockMask, a torch BlockMask, a mask_mod(b, h, q_idx, kv_idx) "
         f"or None, got {type(block_mask).__name__}"
     )
-
-
-def _is_torch_block_mask(obj: Any) -> bool:
-    cls = type(obj)
-    return cls.__name__ == "BlockMask" and cls.__module__.startswith("torch.")
 
 
 @torch.compiler.assume_constant_result
@@ -316,6 +311,7 @@ def _spec(
     scale: float,
     needs_grad: bool,
     grad_slots: frozenset[int],
+    max_scores: bool = False,
 ) -> AttentionSpec:
     B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
     if mask is None:
@@ -340,6 +336,7 @@ def _spec(
         deterministic=d.deterministic,
         kernel_options=dict(d.kernel_options),
         capture_grads=grad_slots if needs_grad else None,
+        max_scores=max_scores,
     )
 
 
@@ -367,22 +364,24 @@ def attention_op(
     key: str,
     scale: float,
     grad_mask: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(out, lse, saved): `saved` is empty unless the backward needs an unrounded output.
+    max_scores: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, saved, max_scores): `saved` is empty unless the backward needs an unrounded
+    output, `max_scores` empty unless asked for.
 
     Bit i of `grad_mask` says that the score_mod's captured tensor in slot i gets a gradient."""
     d = _lookup(key)
     score, mask = d.bind(score_tensors, mask_tensors, scalars, q)
-    spec = _spec(d, q, k, v, score, mask, scale, True, _slots(grad_mask))
+    spec = _spec(d, q, k, v, score, mask, scale, True, _slots(grad_mask), max_scores)
     impl = backends.select(d.backend, spec)
-    out, lse, saved = impl.forward(spec, q, k, v)
+    out, lse, saved, row_max = impl.forward(spec, q, k, v)
     want = saved_dtype(d.backend, q.device, q.dtype)
     saved = q.new_empty(0) if want is None else saved.to(want)
-    return out, lse, saved
+    return out, lse, saved, row_max.to(lse.dtype) if row_max is not None else lse.new_empty(0)
 
 
 @attention_op.register_fake
-def _(q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask):
+def _(q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask, max_scores):
     d = _lookup(key)
     B, Hq, Lq = q.shape[0], q.shape[1], q.shape[2]
     Ev = v.shape[3]
@@ -391,7 +390,8 @@ def _(q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask):
     lse = q.new_empty(B, Hq, Lq, dtype=lse_dtype)
     want = saved_dtype(d.backend, q.device, q.dtype)
     saved = q.new_empty(0) if want is None else q.new_empty(B, Hq, Lq, Ev, dtype=want)
-    return out, lse, saved
+    row_max = q.new_empty(B, Hq, Lq, dtype=lse_dtype) if max_scores else lse.new_empty(0)
+    return out, lse, saved, row_max
 
 
 @torch.library.custom_op("flexfa::attention_backward", mutates_args=())
@@ -438,14 +438,15 @@ def _(q, k, v, out, saved, lse, dout, dlse, score_tensors, mask_tensors, scalars
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask = inputs
-    out, lse, saved = output
+    q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask, _ = inputs
+    out, lse, saved, row_max = output
+    ctx.mark_non_differentiable(row_max)
     ctx.save_for_backward(q, k, v, out, saved, lse, *score_tensors, *mask_tensors)
     ctx.num_score = len(score_tensors)
     ctx.info = (list(scalars), key, scale, grad_mask)
 
 
-def _backward(ctx, dout, dlse, dsaved):
+def _backward(ctx, dout, dlse, dsaved, dmax):
     q, k, v, out, saved, lse, *tensors = ctx.saved_tensors
     score_tensors, mask_tensors = tensors[: ctx.num_score], tensors[ctx.num_score :]
     scalars, key, scale, grad_mask = ctx.info
@@ -465,7 +466,7 @@ def _backward(ctx, dout, dlse, dsaved):
     # torch.library's autograd wants the inputs' structure back: a non-empty float list is one
     # leaf (None), an empty one an empty list.
     scalar_grads = None if scalars else []
-    return dq, dk, dv, score_grads, mask_grads, scalar_grads, None, None, None
+    return dq, dk, dv, score_grads, mask_grads, scalar_grads, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -484,8 +485,10 @@ def compiled_attention(
     backend: str,
     kernel_options: Mapping[str, Any] | None,
     deterministic: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`flexfa.attention` while torch.compile traces: (out, lse) from the ops above."""
+    max_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flexfa.attention` while torch.compile traces: (out, lse, max_scores) from the ops above
+    (max_scores empty unless asked for)."""
     options = tuple(sorted((kernel_options or {}).items()))
     heads = None
     if isinstance(score_mod, HeadsDependentMod):  # bound in the ops, per number of heads
@@ -501,17 +504,17 @@ def compiled_attention(
     for slot, i in enumerate(score_inputs):
         if i is not None and _needs_grad(score_tensors[i]):
             grad_mask |= 1 << slot
-    out, lse, _ = attention_op(
+    out, lse, _, row_max = attention_op(
         q, k, v, score_tensors, mask_tensors, list(scalars), key,
-        resolve_scale(scale, q.shape[-1]), grad_mask,
+        resolve_scale(scale, q.shape[-1]), grad_mask, max_scores,
     )  # fmt: skip
-    return out, lse
+    return out, lse, row_max
 
 
 def _mask_root(block_mask: Any) -> Any:
     if isinstance(block_mask, BlockMask):
         return block_mask.mask.fn
-    if _is_torch_block_mask(block_mask):
+    if is_torch_block_mask(block_mask):
         return block_mask.mask_mod
     return block_mask
 

@@ -40,6 +40,8 @@ class AttentionSpec:
     #: Which captured tensors of the score_mod get gradients, when the tensors themselves cannot say
     #: (inside a torch.library op they do not require grad); None: those that require grad.
     capture_grads: frozenset[int] | None = None
+    #: Also return the row max of the modified scores (`return_aux=AuxRequest(max_scores=True)`).
+    max_scores: bool = False
 
     def __post_init__(self) -> None:
         if self.heads_q % self.heads_kv:

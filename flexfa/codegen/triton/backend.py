@@ -116,6 +116,7 @@ class Launcher:
             if key is not None:
                 plans[key] = found
         self.plan: Plan = found
+        self.max_scores: torch.Tensor | None = None  # written by `forward` when the spec asks
 
     # The plan's fields, read as the launcher's own (autotuning writes through to the plan).
     key = property(lambda self: self.plan.key)
@@ -211,15 +212,17 @@ class Launcher:
         )
 
     def forward_launch(
-        self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None
+        self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None, max_scores=None
     ) -> KernelLaunch:
+        """`max_scores` (laid out like `lse`): also write the row max of the modified scores."""
         spec = self.spec
         bm = spec.block_mask
         cfg = cfg or self.configs.fwd
         Lq, Lkv = spec.len_q, spec.len_kv
         constexprs = self._kv_side_constexprs(cfg.block_m, cfg.block_n)
+        constexprs["WRITE_MAX"] = max_scores is not None
         args = [
-            q, k, v, out, lse,
+            q, k, v, out, lse, lse if max_scores is None else max_scores,
             *q.stride(), *k.stride(), *v.stride(), *out.stride(), lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
             Lq, Lkv, spec.heads_q, spec.group_size, spec.scale,
@@ -329,7 +332,9 @@ class Launcher:
         )
         if self.tune:
             self._tune_forward(q, k, v, out, lse, score_tensors)
-        launch(self.forward_launch(q, k, v, out, lse, score_tensors))
+        max_scores = torch.empty_like(lse) if spec.max_scores else None
+        launch(self.forward_launch(q, k, v, out, lse, score_tensors, max_scores=max_scores))
+        self.max_scores = max_scores
         return out, lse
 
     def _candidates(self, which: str) -> list:
@@ -429,10 +434,12 @@ class _TritonFunction(torch.autograd.Function):
         out, lse = launcher.forward(q, k, v, score_tensors)
         ctx.launcher = launcher
         ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
-        return out, lse
+        max_scores = launcher.max_scores if launcher.max_scores is not None else lse.new_empty(0)
+        ctx.mark_non_differentiable(max_scores)
+        return out, lse, max_scores
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, dmax=None):
         q, k, v, out, lse, *score_tensors = ctx.saved_tensors
         launcher: Launcher = ctx.launcher
         grad_slots = frozenset(s for s in launcher.grad_slots if ctx.needs_input_grad[4 + s])
@@ -489,8 +496,9 @@ class TritonBackend(Backend):
         return Support.yes()
 
     def forward(self, spec, q, k, v):
-        out, lse = Launcher(spec).forward(q, k, v, _score_tensors(spec))
-        return out, lse, out
+        launcher = Launcher(spec)
+        out, lse = launcher.forward(q, k, v, _score_tensors(spec))
+        return out, lse, out, launcher.max_scores
 
     def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
         launcher = Launcher(spec)
@@ -506,9 +514,11 @@ class TritonBackend(Backend):
             t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
         )
         if spec.needs_grad:
-            return _TritonFunction.apply(launcher, q, k, v, *score_tensors)
+            out, lse, max_scores = _TritonFunction.apply(launcher, q, k, v, *score_tensors)
+            return (out, lse, max_scores) if spec.max_scores else (out, lse)
         with torch.no_grad():
-            return launcher.forward(q, k, v, score_tensors)
+            out, lse = launcher.forward(q, k, v, score_tensors)
+            return (out, lse, launcher.max_scores) if spec.max_scores else (out, lse)
 
 
 register(TritonBackend())
