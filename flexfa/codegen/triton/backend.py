@@ -19,7 +19,7 @@ from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.codegen.triton import autotune, emit
 from flexfa.codegen.triton import configs as cfgs
-from flexfa.codegen.triton.launch import KernelLaunch, launch
+from flexfa.codegen.triton.launch import KernelLaunch, launch, warm_up
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
 from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
 from flexfa.config import config
@@ -389,7 +389,9 @@ class Launcher:
 
         def run(grad_buffers: list, mode: int, only_dq: bool = False) -> None:
             launches = self.backward_launches(*common, grad_buffers, mode, dq_acc=dq_acc)
-            for kl in launches[-1:] if only_dq else launches:
+            launches = launches[-1:] if only_dq else launches
+            warm_up(launches)  # a cold backward compiles its kernels concurrently
+            for kl in launches:
                 launch(kl)
 
         if self.tune:
