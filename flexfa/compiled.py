@@ -26,8 +26,10 @@
 # without a recompile. A `flexfa.BlockMask` or torch `BlockMask` given to a compiled call is used
 # through its mask_mod (rebuilt for the call's lengths, cached); block lists given by hand
 # (`BlockMask.from_kv_blocks`) are not supported under torch.compile and raise.
-# Lifted scalars (Note [Lifted scalars]) are passed as a `float[]` argument, so they are graph
-# constants here: a new value means a new graph, as for any Python number torch.compile sees.
+# Lifted scalars (Note [Lifted scalars]) are passed as a `float[]` argument holding the values
+# `_describe` saw: graph constants. Dynamo guards on the identity of the mod it passes, so a new
+# mod object (a new `softcap(c)`, a new lambda) traces again; a float changed in place inside the
+# same mod's closure (`nonlocal`) is not seen until the graph is traced again.
 # Eager calls never reach this module: `torch.compiler.is_compiling()` is the only cost they pay.
 """
 
