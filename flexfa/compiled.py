@@ -91,7 +91,10 @@ def tensor_paths(fn: Any) -> dict[int, Path]:
 
     def function(f: Any, path: Path, depth: int) -> None:
         code = getattr(f, "__code__", None)
-        if isinstance(f, types.FunctionType) and code is not None:
+        if isinstance(f, torch.nn.Module):
+            seen.discard(id(f))
+            value(f, path, depth)
+        elif isinstance(f, types.FunctionType) and code is not None:
             for i, cell in enumerate(f.__closure__ or ()):
                 try:
                     contents = cell.cell_contents

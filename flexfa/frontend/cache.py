@@ -9,6 +9,7 @@
 #   - tensors by identity plus dtype, rank and device (a trace reads only those; the values are
 #     bound at run time, and an in-place update keeps the identity);
 #   - functions by their code object and, recursively, their own closures and globals;
+#   - nn.Modules by their class's forward, parameters, buffers, submodules and public attributes;
 #   - modules by name; tuples, lists and dicts by their contents (small ones only).
 # Anything else (an arbitrary object whose attributes could change) makes the mod uncacheable and
 # it is traced every call. Two closures made by the same factory with equal contents share one
@@ -133,6 +134,17 @@ class _Fingerprint:
             self.add("method")
             self.function(f.__func__, depth + 1)
             self.value(f.__self__, depth + 1)
+        elif isinstance(f, torch.nn.Module):
+            # A module's forward, its parameters and buffers (by identity), submodules and public
+            # attributes; hooks could change what a call does, so a module with hooks is not kept.
+            if f._forward_hooks or f._forward_pre_hooks:
+                raise Uncacheable("a module with forward hooks")
+            self.add(("module", type(f)))
+            self.function(type(f).forward, depth + 1)
+            for name, item in vars(f).items():
+                if name in ("_parameters", "_buffers", "_modules") or not name.startswith("_"):
+                    self.add(name)
+                    self.value(item, depth + 1)
         elif callable(f) and hasattr(f, "__dict__"):
             self.add(("callable", type(f)))
             self.value(vars(f), depth + 1)

@@ -158,3 +158,32 @@ def test_triton_backend_compiled_on_cuda(mode):
     torch.testing.assert_close(got[0], ref.detach(), rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got[1], table.grad, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got[2], q.grad, rtol=2e-2, atol=2e-2)
+
+
+class RelBias(torch.nn.Module):
+    """A score_mod that is a module of the model: its table is the module's parameter."""
+
+    def __init__(self, heads: int = 4) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(heads, 65) * 0.1)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[h, torch.clamp(q_idx - kv_idx, -32, 32) + 32]
+
+
+def test_a_module_as_score_mod_under_compile_gets_its_gradient():
+    torch.manual_seed(3)
+    bias = RelBias()
+    x = torch.randn(1, 4, 40, 16, requires_grad=True)
+
+    def f(x):
+        return flexfa.attention(x, x, x, score_mod=bias, block_mask=flexfa.masks.causal)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out = torch.compile(f, fullgraph=True, backend=counter)(x)
+    out.sum().backward()
+    got = bias.table.grad.clone()
+    bias.table.grad = None
+    f(x).sum().backward()
+    torch.testing.assert_close(got, bias.table.grad, rtol=1e-5, atol=1e-6)
+    assert got.abs().sum() > 0 and counter.frame_count == 1

@@ -108,3 +108,19 @@ def test_unknown_objects_make_a_mod_uncacheable_but_still_traceable():
 def test_heads_bound_mods_are_reused():
     assert flexfa.mods.alibi.bind(8) is flexfa.mods.alibi.bind(8)
     assert trace_score_mod(flexfa.mods.alibi.bind(8)) is trace_score_mod(flexfa.mods.alibi.bind(8))
+
+
+def test_a_module_mod_is_cached_by_its_parameters():
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.table[h]
+
+    bias = Bias()
+    first = trace_score_mod(bias)
+    assert trace_score_mod(bias) is first and first.tensors[0] is bias.table
+    bias.table = torch.nn.Parameter(torch.zeros(4))  # a new parameter: traced again, bound to it
+    assert trace_score_mod(bias).tensors[0] is bias.table
