@@ -8,7 +8,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flexfa import backends
+from flexfa import backends, torch_options
 from flexfa.blockmask.bind import resolve_block_mask
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.compiled import compiled_attention
@@ -39,16 +39,19 @@ def attention(
     v: torch.Tensor,
     score_mod: Callable[..., Any] | None = None,
     block_mask: BlockMask | Callable[..., Any] | None = None,
-    *,
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-    backend: str = "auto",
     kernel_options: Mapping[str, Any] | None = None,
-    deterministic: bool = False,
+    *,
     return_aux: Any = None,
+    backend: str = "auto",
+    deterministic: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, Any]:
     """Attention with a programmable score and mask, differentiable, on CPU or GPU.
+
+    The positional arguments and keywords up to `return_aux` are torch FlexAttention's
+    (`torch.nn.attention.flex_attention.flex_attention`), in its order.
 
     Args:
         q: (B, Hq, Lq, E) queries; k: (B, Hkv, Lkv, E) keys; v: (B, Hkv, Lkv, Ev) values; one
@@ -68,7 +71,8 @@ def attention(
             differentiable) and a field not asked for is None. Not together with return_lse.
         backend: "auto", "triton" or "tiled". "auto" picks the fastest that supports the call and
             warns once when it has to fall back on a GPU.
-        kernel_options: backend options, e.g. {"block_m": 64} for triton.
+        kernel_options: backend options, e.g. {"block_m": 64} for triton; torch FlexAttention's
+            keys are read too (flexfa/torch_options.py).
         deterministic: bitwise-repeatable gradients for captured tensors (slower on GPU).
 
     A query row with no allowed key gets output 0, LSE -inf and zero gradients.
@@ -83,6 +87,7 @@ def attention(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    kernel_options = torch_options.translate(kernel_options)
     want_max = False
     if return_aux is not None:
         want_max = _check_aux(return_aux, return_lse)

@@ -118,3 +118,24 @@ def test_return_aux_under_torch_compile():
     torch.testing.assert_close(aux.lse, ref_aux.lse)
     torch.testing.assert_close(aux.max_scores, ref_aux.max_scores)
     assert counter.frame_count == 1
+
+
+def test_positional_arguments_in_torch_order_and_torch_kernel_options():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q, k, v = qkv(L=64)
+    torch_mask = create_block_mask(causal, None, None, 64, 64, device="cpu")
+    args = (q, k, v, bias, torch_mask, 0.3, False, True)  # ..., scale, enable_gqa, return_lse
+    out, lse = flexfa.attention(*args)
+    ref_out, ref_lse = flex_attention(*args)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    with pytest.warns(UserWarning, match="PRESCALE_QK"):
+        again = flexfa.attention(
+            q, k, v, bias, torch_mask, 0.3,
+            kernel_options={"BLOCK_M": 32, "BLOCK_N": 32, "PRESCALE_QK": False},
+        )  # fmt: skip
+    torch.testing.assert_close(again, out)
+    from flexfa.torch_options import translate
+
+    assert translate({"BLOCK_M1": 32, "num_stages": 2}) == {"bwd_block_m1": 32, "num_stages": 2}
