@@ -16,6 +16,7 @@ MODULES = [
     "flexfa.reference",
     "flexfa.mods",
     "flexfa.masks",
+    "flexfa.torch_options",
 ]
 
 
