@@ -30,6 +30,9 @@
 # `_describe` saw: graph constants. Dynamo guards on the identity of the mod it passes, so a new
 # mod object (a new `softcap(c)`, a new lambda) traces again; a float changed in place inside the
 # same mod's closure (`nonlocal`) is not seen until the graph is traced again.
+# Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built while the graph is recorded:
+# a mask_mod that reads a captured tensor (document ids) must keep that tensor's values fixed across
+# replays, or be called outside the graphed region.
 # Eager calls never reach this module: `torch.compiler.is_compiling()` is the only cost they pay.
 """
 
@@ -39,6 +42,7 @@ import dataclasses
 import hashlib
 import threading
 import types
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -252,6 +256,18 @@ def _describe(
     mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
     score_paths, score_inputs = _paths_for(score, score_mod)  # no paths for a bound mod
     mask_paths, mask_inputs = _paths_for(mask, mask_fn)
+    for traced, inputs in ((score, score_inputs), (mask, mask_inputs)):
+        for cap, t, i in zip(
+            traced.captures if traced else (), traced.tensors if traced else (), inputs
+        ):
+            if i is None and t.requires_grad:
+                warnings.warn(
+                    f"flexfa: {traced.kind} {traced.name!r} captures {cap.name!r}, which "
+                    "torch.compile cannot reach from the mod (not a closure cell, global, "
+                    "default or attribute); it is a constant of the compiled graph and gets no "
+                    "gradient there",
+                    stacklevel=2,
+                )
     described = Described(
         heads=heads,
         score=score,
