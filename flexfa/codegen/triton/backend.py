@@ -19,7 +19,13 @@ from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.codegen.triton import autotune, emit
 from flexfa.codegen.triton import configs as cfgs
-from flexfa.codegen.triton.launch import KernelLaunch, launch, warm_up
+from flexfa.codegen.triton.launch import (
+    KernelLaunch,
+    concurrent_enabled,
+    launch,
+    prewarm,
+    warm_up,
+)
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
 from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
 from flexfa.config import config
@@ -332,10 +338,31 @@ class Launcher:
         )
         if self.tune:
             self._tune_forward(q, k, v, out, lse, score_tensors)
+        elif spec.needs_grad and id(self.plan) not in _prewarmed and concurrent_enabled():
+            _prewarmed.add(id(self.plan))
+            self._prewarm_backward(q, k, v, out, lse, score_tensors)
         max_scores = torch.empty_like(lse) if spec.max_scores else None
         launch(self.forward_launch(q, k, v, out, lse, score_tensors, max_scores=max_scores))
         self.max_scores = max_scores
         return out, lse
+
+    def _prewarm_backward(self, q, k, v, out, lse, score_tensors) -> None:
+        """Start compiling the backward's kernels now, with stand-ins for the tensors it will
+        have (Note [Concurrent compiles])."""
+        dev = q.device
+        slots = sorted(self.grad_slots)
+        fused = self.fused_dq and not self.spec.deterministic
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=dev) if fused else None
+        grads = [
+            torch.empty(score_tensors[s].shape, dtype=torch.float32, device=dev) for s in slots
+        ]
+        grads += [torch.empty(0, device=dev)] if slots else []
+        launches = self.backward_launches(
+            q, k, v, out, lse, torch.empty_like(out), None, torch.empty_like(lse),
+            torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), score_tensors, grads,
+            1 if slots else 0, dq_acc=dq_acc,
+        )  # fmt: skip
+        prewarm(launches)
 
     def _candidates(self, which: str) -> list:
         spec = self.spec
@@ -424,6 +451,9 @@ class Launcher:
         if dq_acc is not None:
             dq = dq_acc.to(q.dtype)
         return dq, dk, dv, grads
+
+
+_prewarmed: set[int] = set()  # ids of plans whose backward compiles a forward has started
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -67,3 +67,48 @@ def test_launched_kernels_are_not_compiled_again(fake_gpu):
     tlaunch._launched.add(tlaunch._fast_key(launches[2]))
     tlaunch.warm_up(launches)
     assert [len(k.warmed) for k in kernels] == [1, 1, 0]
+
+
+def test_prewarm_returns_at_once_and_the_backward_waits_for_it(fake_gpu):
+    release = threading.Event()
+
+    class Slow(_Kernel):
+        def warmup(self, *args, grid, num_warps, num_stages, **constexprs):
+            release.wait(timeout=10)
+            self.warmed.append(args)
+
+    kernels = [Slow(threading.Barrier(1)), Slow(threading.Barrier(1))]
+    launches = [_launch(k, f"pre{i}") for i, k in enumerate(kernels)]
+    tlaunch.prewarm(launches)  # returns while both compiles are blocked
+    assert all(tlaunch._fast_key(kl) in tlaunch._pending for kl in launches)
+    release.set()
+    tlaunch.warm_up(launches)  # waits for them instead of compiling again
+    assert [len(k.warmed) for k in kernels] == [1, 1]
+    assert not any(tlaunch._fast_key(kl) in tlaunch._pending for kl in launches)
+
+
+def test_switched_off_by_the_setting(fake_gpu):
+    kernels = [_Kernel(threading.Barrier(1)), _Kernel(threading.Barrier(1))]
+    with flexfa.config.override(concurrent_compile=False):
+        tlaunch.warm_up([_launch(k, f"off{i}") for i, k in enumerate(kernels)])
+    assert [len(k.warmed) for k in kernels] == [0, 0]
+
+
+def test_a_forward_that_needs_a_backward_starts_its_compiles(monkeypatch, tmp_path):
+    import torch
+
+    from flexfa.codegen.triton import backend as tbackend
+
+    started = []
+    monkeypatch.setattr(tbackend, "concurrent_enabled", lambda: True)
+    monkeypatch.setattr(tbackend, "prewarm", started.extend)
+    table = torch.zeros(2, 9, requires_grad=True)
+
+    def bias(score, b, h, q_idx, kv_idx):  # a learnable capture: the dQ kernel scatters into it
+        return score + table[h, torch.clamp(q_idx - kv_idx, -4, 4) + 4]
+
+    q, k, v = (torch.randn(1, 2, 24, 16, requires_grad=True) for _ in range(3))
+    with flexfa.config.override(cache_dir=str(tmp_path)):  # a new plan
+        flexfa.attention(q, k, v, score_mod=bias, block_mask=flexfa.masks.causal, backend="triton")
+    assert [kl.name for kl in started] == ["bwd_preprocess", "bwd_dkdv", "bwd_dq"]
+    assert started[2].constexprs["CAPTURE_MODE"] == 1
