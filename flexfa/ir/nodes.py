@@ -142,6 +142,10 @@ class Capture:
 # with SCALARs fails and the mod is traced again with its floats as constants (one kernel per
 # value, as before).
 # A SCALAR is a leaf like CONST for every pass: no derivative flows into it, it is never folded.
+# For a code generator: a SCALAR node's `arg` is its `Scalar`; declare one runtime parameter per
+# entry of `TracedMod.scalars` (slot order, float32; the Triton emitter names it `<name>_value`,
+# after the capture parameters) and pass `TracedMod.scalar_values` at launch. Nothing else about
+# lifting concerns a backend: the values never appear in the IR, its digest or the key.
 
 
 @dataclasses.dataclass(frozen=True)
