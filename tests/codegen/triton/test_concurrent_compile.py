@@ -11,11 +11,14 @@ import flexfa
 from flexfa.codegen.triton import launch as tlaunch
 from flexfa.codegen.triton.params import FwdConfig, KernelKey, ModuleKey
 
+_alive: list = []
+
 
 class _Kernel:
     """Stands for a JIT function: `warmup` waits until every kernel of the list is compiling."""
 
     def __init__(self, barrier: threading.Barrier, fail: bool = False) -> None:
+        _alive.append(self)  # launch keys hold id(kernel): no id may be reused by a later one
         self.barrier = barrier
         self.fail = fail
         self.warmed = []
@@ -65,7 +68,10 @@ def test_launched_kernels_are_not_compiled_again(fake_gpu):
     kernels = [_Kernel(barrier), _Kernel(barrier), _Kernel(barrier)]
     launches = [_launch(k, f"seen{i}") for i, k in enumerate(kernels)]
     tlaunch._launched.add(tlaunch._fast_key(launches[2]))
-    tlaunch.warm_up(launches)
+    try:
+        tlaunch.warm_up(launches)
+    finally:
+        tlaunch._launched.discard(tlaunch._fast_key(launches[2]))
     assert [len(k.warmed) for k in kernels] == [1, 1, 0]
 
 
