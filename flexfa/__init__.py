@@ -11,7 +11,7 @@ backend anywhere).
 """
 
 from flexfa import diskcache, masks, mods
-from flexfa.api import attention, build_spec, explain_backend
+from flexfa.api import AuxOutput, AuxRequest, attention, build_spec, explain_backend
 from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
 from flexfa.blockmask.build import create_block_mask
 from flexfa.config import config
@@ -24,6 +24,8 @@ from flexfa.paged import PagedKVCache
 __version__ = "0.1.0"
 
 __all__ = [
+    "AuxOutput",
+    "AuxRequest",
     "BlockList",
     "BlockMask",
     "BlockSize",

@@ -2,19 +2,37 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from flexfa import backends
+from flexfa import backends, torch_options
 from flexfa.blockmask.bind import resolve_block_mask
 from flexfa.blockmask.block_mask import BlockMask
+from flexfa.compiled import compiled_attention
 from flexfa.frontend.trace import TracedMod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.paged import validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
 from flexfa.varlen import packed_mods, packing
+
+try:  # torch's own types where the installed torch has them, so results compare equal
+    from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
+except ImportError:  # pragma: no cover - older torch
+
+    class AuxRequest(NamedTuple):  # type: ignore[no-redef]
+        """Which auxiliary outputs `flexfa.attention(..., return_aux=...)` returns."""
+
+        lse: bool = False
+        max_scores: bool = False
+
+    class AuxOutput(NamedTuple):  # type: ignore[no-redef]
+        """Auxiliary outputs of `flexfa.attention`; None where not requested."""
+
+        lse: torch.Tensor | None = None
+        max_scores: torch.Tensor | None = None
 
 
 def attention(
@@ -23,19 +41,23 @@ def attention(
     v: torch.Tensor,
     score_mod: Callable[..., Any] | None = None,
     block_mask: BlockMask | Callable[..., Any] | None = None,
-    *,
     scale: float | None = None,
     enable_gqa: bool = False,
     return_lse: bool = False,
-    backend: str = "auto",
     kernel_options: Mapping[str, Any] | None = None,
+    *,
+    return_aux: Any = None,
+    backend: str = "auto",
     deterministic: bool = False,
     page_table: torch.Tensor | None = None,
     kv_lens: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_kv: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor | tuple[torch.Tensor, Any]:
     """Attention with a programmable score and mask, differentiable, on CPU or GPU.
+
+    The positional arguments and keywords up to `return_aux` are torch FlexAttention's
+    (`torch.nn.attention.flex_attention.flex_attention`), in its order.
 
     Args:
         q: (B, Hq, Lq, E) queries; k: (B, Hkv, Lkv, E) keys; v: (B, Hkv, Lkv, Ev) values; one
@@ -44,14 +66,20 @@ def attention(
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled score
             (e.g. `flexfa.mods.alibi`). It may read captured tensors; those that require grad get
             gradients.
-        block_mask: a `flexfa.BlockMask`, or a `mask_mod(b, h, q_idx, kv_idx) -> bool` (e.g.
-            `flexfa.masks.causal`), whose BlockMask is built for these shapes and cached.
+        block_mask: a `flexfa.BlockMask`, a torch FlexAttention `BlockMask` (converted once and
+            cached), or a `mask_mod(b, h, q_idx, kv_idx) -> bool` (e.g. `flexfa.masks.causal`),
+            whose BlockMask is built for these shapes and cached.
         scale: multiplies q @ k^T before score_mod; default 1/sqrt(E).
         enable_gqa: allow Hq to be a multiple of Hkv (query head h reads KV head h // (Hq // Hkv)).
         return_lse: also return the log-sum-exp (natural log, float32, (B, Hq, Lq)).
+        return_aux: as in torch's flex_attention, an `AuxRequest(lse=..., max_scores=...)`: return
+            `(out, AuxOutput(lse, max_scores))`, where max_scores is the row maximum of the
+            modified scores (natural log scale, float32, (B, Hq, Lq), -inf for empty rows, not
+            differentiable) and a field not asked for is None. Not together with return_lse.
         backend: "auto", "triton" or "tiled". "auto" picks the fastest that supports the call and
             warns once when it has to fall back on a GPU.
-        kernel_options: backend options, e.g. {"block_m": 64} for triton.
+        kernel_options: backend options, e.g. {"block_m": 64} for triton; torch FlexAttention's
+            keys are read too (flexfa/torch_options.py).
         deterministic: bitwise-repeatable gradients for captured tensors (slower on GPU).
         page_table, kv_lens: read K and V from a paged cache: `k`, `v` are then page pools
             (num_pages, Hkv, page_size, E|Ev), `page_table` (B, max_pages) int32 maps logical page
@@ -76,6 +104,32 @@ def attention(
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
         score_mod, block_mask = _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv)
+    kernel_options = torch_options.translate(kernel_options)
+    want_max = False
+    if return_aux is not None:
+        want_max = _check_aux(return_aux, return_lse)
+    if torch.compiler.is_compiling():  # Note [flexfa under torch.compile]
+        if page_table is not None or kv_lens is not None:
+            raise ValueError(
+                "paged KV caches (page_table, kv_lens) are not supported inside torch.compile yet: "
+                "call flexfa.attention for decoding outside the compiled region"
+            )
+        out, lse, max_scores = compiled_attention(
+            q,
+            k,
+            v,
+            score_mod,
+            block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            backend=backend,
+            kernel_options=kernel_options,
+            deterministic=deterministic,
+            max_scores=want_max,
+        )
+        if return_aux is not None:
+            return out, _aux_output(return_aux, lse, max_scores)
+        return (out, lse) if return_lse else out
     spec = build_spec(
         q,
         k,
@@ -89,9 +143,32 @@ def attention(
         page_table=page_table,
         kv_lens=kv_lens,
     )
+    if want_max:
+        spec = dataclasses.replace(spec, max_scores=True)
     impl = backends.select(backend, spec)
+    if return_aux is not None:
+        out, lse, *rest = impl.run(spec, q, k, v)
+        return out, _aux_output(return_aux, lse, rest[0] if rest else None)
     out, lse = impl.run(spec, q, k, v)
     return (out, lse) if return_lse else out
+
+
+def _check_aux(request: Any, return_lse: bool) -> bool:
+    """Validate `return_aux`; returns whether max_scores are asked for."""
+    if return_lse:
+        raise ValueError("pass either return_lse=True or return_aux=AuxRequest(lse=True), not both")
+    if not (hasattr(request, "lse") and hasattr(request, "max_scores")):
+        raise TypeError(
+            "return_aux must be an AuxRequest(lse=..., max_scores=...) (from "
+            f"torch.nn.attention.flex_attention or flexfa.AuxRequest), got {type(request).__name__}"
+        )
+    return bool(request.max_scores)
+
+
+def _aux_output(request: Any, lse: torch.Tensor, max_scores: torch.Tensor | None) -> AuxOutput:
+    return AuxOutput(
+        lse=lse if request.lse else None, max_scores=max_scores if request.max_scores else None
+    )
 
 
 def build_spec(

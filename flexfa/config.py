@@ -10,6 +10,7 @@ the environment, or use `config.override(...)`, at any point.
 | FLEXFA_DUMP_IR | a directory: write each traced mod's IR there | unset |
 | FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 0 |
 | FLEXFA_LOG_COMPILES | log every kernel compile at INFO level (long ones are always logged) | 0 |
+| FLEXFA_CONCURRENT_COMPILE | compile a cold backward's kernels on a thread pool, starting with the first forward that needs a backward | 1 |
 | FLEXFA_FUSED_BLOCK_MASK | build block masks with one generated kernel: `auto` (on CUDA), `1` (also on the CPU under TRITON_INTERPRET=1, for tests), `0` (never) | auto |
 """
 
@@ -94,6 +95,11 @@ class Config:
         if value is None or str(value).strip().lower() in ("", "auto"):
             return "auto"
         return "on" if _flag_value(str(value)) else "off"
+
+    @property
+    def concurrent_compile(self) -> bool:
+        """Compile independent kernels on a thread pool (Note [Concurrent compiles])."""
+        return self._get("concurrent_compile", lambda: _flag("FLEXFA_CONCURRENT_COMPILE", True))
 
     @property
     def triton_interpret(self) -> bool:

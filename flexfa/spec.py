@@ -45,6 +45,11 @@ class AttentionSpec:
     #: K and V are page pools read through this page table (flexfa/paged.py); len_kv is then the
     #: table's capacity, max_pages * page_size.
     paged: PagedKV | None = None
+    #: Which captured tensors of the score_mod get gradients, when the tensors themselves cannot say
+    #: (inside a torch.library op they do not require grad); None: those that require grad.
+    capture_grads: frozenset[int] | None = None
+    #: Also return the row max of the modified scores (`return_aux=AuxRequest(max_scores=True)`).
+    max_scores: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_kv == 0:
@@ -79,6 +84,8 @@ class AttentionSpec:
         """Captured tensors of the score_mod whose gradients the backward must compute."""
         if self.score_mod is None or not self.needs_grad:
             return frozenset()
+        if self.capture_grads is not None:
+            return self.capture_grads
         return self.score_mod.grad_slots()
 
 

@@ -55,7 +55,34 @@ class Backend(abc.ABC):
     def run(
         self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (out [B, Hq, Lq, Ev] in q's dtype, lse [B, Hq, Lq] float32, natural log)."""
+        """Returns (out [B, Hq, Lq, Ev] in q's dtype, lse [B, Hq, Lq] float32, natural log), and
+        with `spec.max_scores` a third value, the row max of the modified scores (like lse,
+        -inf for empty rows, not differentiable)."""
+
+    # The two halves of `run` without autograd, for callers that register their own (the
+    # torch.library ops of flexfa/compiled.py). `saved` is what the backward reads for the output
+    # (the unrounded output where the backend keeps one, else `out` itself).
+    def forward(
+        self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(out, lse, saved, max_scores) of a forward pass; max_scores None unless
+        `spec.max_scores`."""
+        raise NotImplementedError(f"backend {self.name!r} has no separate forward")
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        saved: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        grad_slots: frozenset[int],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+        """(dq, dk, dv, {slot: gradient of that captured tensor of the score_mod})."""
+        raise NotImplementedError(f"backend {self.name!r} has no separate backward")
 
 
 _REGISTRY: dict[str, Backend] = {}

@@ -97,6 +97,12 @@ class Fa4Backend(Backend):
             return Support.no(
                 f"flexfa runs FA4 on sm90 (Hopper) and sm100/sm110 (Blackwell), not sm{major}{minor}"
             )
+        if spec.max_scores:
+            return Support.no(
+                "FA4's kernels return no max_scores (return_aux=AuxRequest(max_scores=True))"
+            )
+        if spec.kv_broadcast:
+            return Support.no("K/V batch broadcast (k and v of batch 1) is not passed to FA4 yet")
         if spec.dtype not in _DTYPES:
             return Support.no(f"FA4 takes float16 or bfloat16 inputs, got {spec.dtype}")
         bad_dims = head_dims_supported(spec.head_dim, spec.head_dim_v, major)

@@ -78,6 +78,7 @@ class _Plan:
         self.device = device
         self.paged = spec.paged
         self.compute_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
+        self.max_scores: torch.Tensor | None = None  # set by _forward
 
     def rows(self, i: int) -> tuple[int, int]:
         return i * self.bq, min((i + 1) * self.bq, self.spec.len_q)
@@ -179,7 +180,12 @@ def _scores(
     if spec.score_mod is None:
         return s, None
     assert env is not None
-    ev = Evaluator({**env, "score": s}, score_tensors, float_dtype=plan.compute_dtype)
+    ev = Evaluator(
+        {**env, "score": s},
+        score_tensors,
+        float_dtype=plan.compute_dtype,
+        scalars=spec.score_mod.scalar_values,
+    )
     s_mod = ev(spec.score_mod.output).to(plan.compute_dtype)
     return s_mod.expand_as(s), ev
 
@@ -212,6 +218,7 @@ def _forward(
     out = torch.empty(B, Hq, Lq, spec.head_dim_v, dtype=cd, device=q.device)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(B, Hq, Lq, dtype=lse_dtype, device=q.device)
+    max_scores = torch.empty(B, Hq, Lq, dtype=lse_dtype, device=q.device)
     for i in range(spec.block_mask.num_q_blocks):
         r0, r1 = plan.rows(i)
         qg = _grouped(q[:, :, r0:r1].to(cd) * spec.scale, spec)
@@ -243,6 +250,8 @@ def _forward(
         out[:, :, r0:r1] = torch.where(empty, 0.0, acc / torch.where(empty, 1.0, l_i))
         row_lse = torch.where(empty, -math.inf, m_i + torch.log(torch.where(empty, 1.0, l_i)))
         lse[:, :, r0:r1] = row_lse.squeeze(-1).to(lse_dtype)
+        max_scores[:, :, r0:r1] = torch.where(empty, -math.inf, m_i).squeeze(-1).to(lse_dtype)
+    plan.max_scores = max_scores
     return out, lse
 
 
@@ -379,10 +388,11 @@ class _TiledFunction(torch.autograd.Function):
         out, lse = _forward(plan, q, k, v, score_tensors)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
-        return out.to(q.dtype), lse
+        ctx.mark_non_differentiable(plan.max_scores)
+        return out.to(q.dtype), lse, plan.max_scores
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, dmax=None):
         q, k, v, out, lse, *score_tensors = ctx.saved_tensors
         plan: _Plan = ctx.plan
         grad_slots = frozenset(
@@ -411,14 +421,31 @@ class TiledBackend(Backend):
     def supports(self, spec: AttentionSpec) -> Support:
         return Support.yes()
 
+    def forward(self, spec, q, k, v):
+        score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+        plan = _Plan(spec, q.device)
+        out, lse = _forward(plan, q, k, v, score_tensors)
+        return out.to(q.dtype), lse, out, plan.max_scores if spec.max_scores else None
+
+    def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
+        score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+        plan = _Plan(spec, q.device)
+        dq, dk, dv, buffers = _backward(
+            plan, q, k, v, saved.to(plan.compute_dtype), lse, dout, dlse, score_tensors, grad_slots
+        )
+        grads = {i: b.to(score_tensors[i].dtype) for i, b in buffers.items()}
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), grads
+
     def run(self, spec, q, k, v):
         plan = _Plan(spec, q.device)
         score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
         if spec.needs_grad:
-            return _TiledFunction.apply(plan, q, k, v, *score_tensors)
-        with torch.no_grad():
-            out, lse = _forward(plan, q, k, v, score_tensors)
-            return out.to(q.dtype), lse
+            out, lse, max_scores = _TiledFunction.apply(plan, q, k, v, *score_tensors)
+        else:
+            with torch.no_grad():
+                out, lse = _forward(plan, q, k, v, score_tensors)
+                out, max_scores = out.to(q.dtype), plan.max_scores
+        return (out, lse, max_scores) if spec.max_scores else (out, lse)
 
 
 register(TiledBackend())

@@ -95,12 +95,53 @@ def resolve_block_mask(
         return bm
     if isinstance(block_mask, BlockMask):
         return _check_given(block_mask, B, H, Lq, Lkv, device)
+    if is_torch_block_mask(block_mask):
+        return _check_given(converted(block_mask), B, H, Lq, Lkv, device)
     if callable(block_mask):
         return cached_block_mask(trace_mask_mod(block_mask, device=device), B, H, Lq, Lkv, device)
     raise TypeError(
-        "block_mask must be a flexfa.BlockMask, a mask_mod(b, h, q_idx, kv_idx) or None, got "
-        f"{type(block_mask).__name__}"
+        "block_mask must be a flexfa.BlockMask, a torch BlockMask, a mask_mod(b, h, q_idx, kv_idx) "
+        f"or None, got {type(block_mask).__name__}"
     )
+
+
+def is_torch_block_mask(obj: object) -> bool:
+    """Whether `obj` is torch FlexAttention's BlockMask (without importing it for other objects)."""
+    cls = type(obj)
+    return cls.__name__ == "BlockMask" and cls.__module__.startswith("torch.nn.attention")
+
+
+# Note [torch BlockMask conversion]
+# `flexfa.attention(q, k, v, block_mask=torch_block_mask)` converts torch's BlockMask with
+# `BlockMask.from_torch` (its block lists as given, its mask_mod traced) once, and keeps the result
+# keyed by the torch object's identity and the `_version` of its index tensors, holding the torch
+# object alive so that its identity cannot be reused while the entry exists. A training loop that
+# builds its torch BlockMask once converts it once; an in-place edit of its tensors converts again.
+_torch_masks: collections.OrderedDict[int, tuple[object, tuple, BlockMask]] = (
+    collections.OrderedDict()
+)
+
+
+def converted(torch_mask: object) -> BlockMask:
+    """The flexfa BlockMask of a torch BlockMask, converted once (Note [torch BlockMask conversion])."""
+    from flexfa.blockmask.interop import from_torch
+
+    tensors = (
+        torch_mask.kv_num_blocks,  # type: ignore[attr-defined]
+        torch_mask.kv_indices,  # type: ignore[attr-defined]
+        torch_mask.full_kv_num_blocks,  # type: ignore[attr-defined]
+        torch_mask.full_kv_indices,  # type: ignore[attr-defined]
+    )
+    versions = tuple(t._version if t is not None else None for t in tensors)
+    hit = _torch_masks.get(id(torch_mask))
+    if hit is not None and hit[0] is torch_mask and hit[1] == versions:
+        _torch_masks.move_to_end(id(torch_mask))
+        return hit[2]
+    bm = from_torch(torch_mask)
+    _torch_masks[id(torch_mask)] = (torch_mask, versions, bm)
+    while len(_torch_masks) > _CACHE_SIZE:
+        _torch_masks.popitem(last=False)
+    return bm
 
 
 def _check_given(

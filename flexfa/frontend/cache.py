@@ -9,10 +9,14 @@
 #   - tensors by identity plus dtype, rank and device (a trace reads only those; the values are
 #     bound at run time, and an in-place update keeps the identity);
 #   - functions by their code object and, recursively, their own closures and globals;
+#   - nn.Modules by their class's forward, parameters, buffers, submodules and public attributes;
 #   - modules by name; tuples, lists and dicts by their contents (small ones only).
 # Anything else (an arbitrary object whose attributes could change) makes the mod uncacheable and
 # it is traced every call. Two closures made by the same factory with equal contents share one
 # trace, so `flexfa.mods.softcap(30.0)` called twice hits the cache.
+# The floats a score_mod lifts (Note [Lifted scalars] in flexfa/ir/nodes.py) enter the fingerprint
+# by type only and are returned beside it, in the order of the tracer's slots, so
+# `softcap(30.0)` and `softcap(50.0)` share one trace and differ only in `TracedMod.scalar_values`.
 """
 
 from __future__ import annotations
@@ -53,11 +57,33 @@ _ATOMS = (torch.dtype, torch.device, enum.Enum, type)
 class _Fingerprint:
     """Walks what a mod can reach and records it (see Note [Trace cache])."""
 
-    __slots__ = ("parts", "seen")
+    __slots__ = ("lift", "parts", "scalars", "seen")
 
-    def __init__(self) -> None:
+    def __init__(self, lift: bool = False) -> None:
         self.parts: list[Hashable] = []
         self.seen: set[int] = set()
+        self.lift = lift
+        self.scalars: list[float] = []
+
+    def maybe_lifted(self, v: Any, depth: int) -> None:
+        """A value at a lift site (Note [Lifted scalars]): floats by type, others by value."""
+        if type(v) is float:
+            self.add("lifted float")
+            self.scalars.append(v)
+        else:
+            self.value(v, depth)
+
+    def sites(self, values: Any, depth: int) -> None:
+        """A tuple or dict of lift sites (defaults, kwdefaults, partial arguments)."""
+        if isinstance(values, dict):
+            self.add(("dict", len(values)))
+            for k, v in values.items():
+                self.add(k)
+                self.maybe_lifted(v, depth)
+        else:
+            self.add((tuple, len(values)))
+            for v in values:
+                self.maybe_lifted(v, depth)
 
     def add(self, item: Hashable) -> None:
         self.parts.append(item)
@@ -72,6 +98,7 @@ class _Fingerprint:
             return
         self.seen.add(id(f))
         code = getattr(f, "__code__", None)
+        lift = self.lift and depth == 0  # only the mod's own sites (see lift_sites)
         if code is not None:
             self.add(code)
             for cell in f.__closure__ or ():
@@ -80,25 +107,44 @@ class _Fingerprint:
                 except ValueError:  # an empty cell
                     self.add("empty cell")
                     continue
-                self.value(contents, depth + 1)
+                if lift:
+                    self.maybe_lifted(contents, depth + 1)
+                else:
+                    self.value(contents, depth + 1)
             glob = f.__globals__
             for name in _code_names(code):
                 if name in glob:
                     self.add(name)
                     self.value(glob[name], depth + 1)
-            if f.__defaults__:
-                self.value(f.__defaults__, depth + 1)
-            if f.__kwdefaults__:
-                self.value(f.__kwdefaults__, depth + 1)
+            for values in (f.__defaults__, f.__kwdefaults__):
+                if values and lift:
+                    self.sites(values, depth + 1)
+                elif values:
+                    self.value(values, depth + 1)
         elif isinstance(f, functools.partial):
             self.add("partial")
             self.function(f.func, depth + 1)
-            self.value(f.args, depth + 1)
-            self.value(f.keywords, depth + 1)
+            if lift:
+                self.sites(f.args, depth + 1)
+                self.sites(f.keywords, depth + 1)
+            else:
+                self.value(f.args, depth + 1)
+                self.value(f.keywords, depth + 1)
         elif isinstance(f, types.MethodType):
             self.add("method")
             self.function(f.__func__, depth + 1)
             self.value(f.__self__, depth + 1)
+        elif isinstance(f, torch.nn.Module):
+            # A module's forward, its parameters and buffers (by identity), submodules and public
+            # attributes; hooks could change what a call does, so a module with hooks is not kept.
+            if f._forward_hooks or f._forward_pre_hooks:
+                raise Uncacheable("a module with forward hooks")
+            self.add(("module", type(f)))
+            self.function(type(f).forward, depth + 1)
+            for name, item in vars(f).items():
+                if name in ("_parameters", "_buffers", "_modules") or not name.startswith("_"):
+                    self.add(name)
+                    self.value(item, depth + 1)
         elif callable(f) and hasattr(f, "__dict__"):
             self.add(("callable", type(f)))
             self.value(vars(f), depth + 1)
@@ -140,6 +186,13 @@ def fingerprint(fn: Any) -> tuple:
     return tuple(walker.parts)
 
 
+def lifting_fingerprint(fn: Any) -> tuple[tuple, tuple[float, ...]]:
+    """`fingerprint` with the mod's liftable floats by type, and their values in slot order."""
+    walker = _Fingerprint(lift=True)
+    walker.function(fn, 0)
+    return tuple(walker.parts), tuple(walker.scalars)
+
+
 class TraceCache:
     """An LRU map from (kind, device, fingerprint) to traced mods."""
 
@@ -151,11 +204,17 @@ class TraceCache:
         self.misses = 0
         self.uncacheable = 0
 
-    def key(self, fn: Any, kind: str, device: torch.device | None) -> tuple | None:
+    def key(
+        self, fn: Any, kind: str, device: torch.device | None, lift: bool = False
+    ) -> tuple[tuple | None, tuple[float, ...]]:
+        """The cache key of `fn`, and the values of its lifted floats (with `lift`)."""
         try:
-            return (kind, str(device), fingerprint(fn))
+            if lift:
+                parts, scalars = lifting_fingerprint(fn)
+                return (kind, str(device), parts), scalars
+            return (kind, str(device), fingerprint(fn)), ()
         except (Uncacheable, RecursionError):
-            return None
+            return None, ()
 
     def get(self, key: tuple | None):
         if key is None:

@@ -36,7 +36,15 @@ from flexfa.frontend.proxy import IndexedTensor, ModTraceError, Proxy, lift
 from flexfa.ir import build as irb
 from flexfa.ir.autodiff import ScoreModGradient, score_mod_gradient
 from flexfa.ir.dtypes import DType
-from flexfa.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS, Capture, Node, Op, toposort
+from flexfa.ir.nodes import (
+    MASK_MOD_PARAMS,
+    SCORE_MOD_PARAMS,
+    Capture,
+    Node,
+    Op,
+    Scalar,
+    toposort,
+)
 from flexfa.ir.printer import format_graph
 from flexfa.ir.simplify import simplify
 from flexfa.ir.verify import verify
@@ -48,8 +56,10 @@ ModKind = Literal["score_mod", "mask_mod"]
 class TracedMod:
     """A traced mod: its IR, the tensors it captured, and the Python function it came from.
 
-    `output` and `captures` are pure IR (hashable, device-free); `tensors[slot]` is the tensor bound
-    to `captures[slot]` for this call. Two TracedMods with equal `key` compile to the same kernels.
+    `output`, `captures` and `scalars` are pure IR (hashable, device-free); `tensors[slot]` is the
+    tensor bound to `captures[slot]` for this call and `scalar_values[slot]` the value of the lifted
+    scalar `scalars[slot]` (Note [Lifted scalars] in flexfa/ir/nodes.py). Two TracedMods with equal
+    `key` compile to the same kernels.
     """
 
     kind: ModKind
@@ -58,6 +68,8 @@ class TracedMod:
     captures: tuple[Capture, ...]
     tensors: tuple[torch.Tensor, ...]
     fn: Callable[..., Any]
+    scalars: tuple[Scalar, ...] = ()
+    scalar_values: tuple[float, ...] = ()
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -69,7 +81,10 @@ class TracedMod:
         captures: they are parameters of generated functions even where simplification removed
         every use of one."""
         captures = ",".join(f"{c.name}/{c.dtype}/{c.ndim}" for c in self.captures)
-        return f"{self.kind}:{self.name}:{self.output.digest}:{captures}"
+        key = f"{self.kind}:{self.name}:{self.output.digest}:{captures}"
+        if self.scalars:
+            key += ":" + ",".join(f"{s.name}/{s.dtype}" for s in self.scalars)
+        return key
 
     @functools.cached_property
     def variables(self) -> frozenset[str]:
@@ -102,10 +117,18 @@ class TracedMod:
         params = ", ".join(self.params)
         caps = ", ".join(f"{c.name}: {c.dtype.value}[{c.ndim}d]" for c in self.captures)
         title = f"{self.kind} {self.name}({params})" + (f" captures {caps}" if caps else "")
+        if self.scalars:
+            title += " scalars " + ", ".join(f"{s.name}: {s.dtype.value}" for s in self.scalars)
         return format_graph({"out": self.output}, title=title)
 
     def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> TracedMod:
         return dataclasses.replace(self, tensors=tensors)
+
+    def with_scalar_values(self, values: tuple[float, ...]) -> TracedMod:
+        """The same trace with other values of its lifted scalars (Note [Lifted scalars])."""
+        if len(values) != len(self.scalars):
+            raise ValueError(f"{self.name}: {len(self.scalars)} scalar values expected")
+        return dataclasses.replace(self, scalar_values=tuple(values))
 
 
 @functools.lru_cache(maxsize=512)
@@ -128,6 +151,8 @@ class Tracer:
         self.captures: list[Capture] = []
         self._slot_of: dict[int, int] = {}
         self._names: dict[int, str] | None = None
+        self.scalars: list[Scalar] = []
+        self.scalar_values: list[float] = []
 
     def fail(self, message: str) -> None:
         raise ModTraceError(f"{self.kind} {self.mod_name!r}: {message}")
@@ -147,12 +172,20 @@ class Tracer:
                     f"read bool, integer and float16/bfloat16/float32/float64 tensors"
                 )
             slot = len(self.tensors)
-            taken = {c.name for c in self.captures}
+            taken = {c.name for c in self.captures} | {s.name for s in self.scalars}
             name = _identifier(self.name_of(tensor), taken)
             self.tensors.append(tensor)
             self.captures.append(Capture(slot, name, DType.from_torch(tensor.dtype), tensor.ndim))
             self._slot_of[id(tensor)] = slot
         return irb.capture(self.captures[slot])
+
+    def lift_scalar(self, value: float, name: str) -> Proxy:
+        """A SCALAR standing for the Python float `value` (Note [Lifted scalars])."""
+        taken = {c.name for c in self.captures} | {s.name for s in self.scalars}
+        scalar = Scalar(len(self.scalars), _identifier(name, taken), DType.FLOAT32)
+        self.scalars.append(scalar)
+        self.scalar_values.append(value)
+        return Proxy(self, irb.scalar(scalar))
 
     def load_scalar(self, tensor: torch.Tensor) -> Node:
         return self._load(tensor, ())
@@ -320,32 +353,96 @@ def _check_arity(fn: Callable[..., Any], kind: ModKind, params: tuple[str, ...])
         ) from None
 
 
+_BAKED = object()  # cache entry: this mod's floats could not be lifted; look up key + values
+
+
 def trace(
     fn: Callable[..., Any], kind: ModKind, *, device: torch.device | None = None
 ) -> TracedMod:
     """Trace `fn` as a score_mod or a mask_mod. Raises ModTraceError (a TypeError) with a fix.
 
-    Traces are reused while nothing the mod can reach has changed (Note [Trace cache]).
+    Traces are reused while nothing the mod can reach has changed (Note [Trace cache]); a
+    score_mod's floats are lifted (Note [Lifted scalars] in flexfa/ir/nodes.py), so a new value
+    of one reuses the trace with other `scalar_values`.
     """
-    key = traces.key(fn, kind, device)
+    lift = kind == "score_mod"
+    key, values = traces.key(fn, kind, device, lift=lift)
     hit = traces.get(key)
-    if hit is not None:
+    if hit is _BAKED:  # the floats are constants of this trace: key on their values
+        key = (key, values)
+        baked = traces.get(key)
+        if baked is not None:
+            return baked
+    elif hit is not None:
+        if hit.scalar_values != values:  # the same trace with new values, kept for the next call
+            hit = hit.with_scalar_values(values)
+            traces.put(key, hit)
         return hit
-    traced = _trace(fn, kind, device)
+    traced = _trace(fn, kind, device, lift_floats=lift)
+    if lift and values and not traced.scalars and key is not None and hit is not _BAKED:
+        traces.put(key, _BAKED)
+        key = (key, values)
     traces.put(key, traced)
     return traced
 
 
-def _trace(fn: Callable[..., Any], kind: ModKind, device: torch.device | None) -> TracedMod:
+def _lifted_call(fn: Callable[..., Any], tracer: Tracer) -> Callable[..., Any]:
+    """`fn` with the floats at its lift sites replaced by SCALAR proxies, in the order of
+    `flexfa.frontend.cache.lifting_fingerprint` (cells, defaults, kwdefaults; partial args, keywords).
+    """
+
+    def lifted(value: Any, name: str) -> Any:
+        return tracer.lift_scalar(value, name) if type(value) is float else value
+
+    if isinstance(fn, functools.partial):
+        args = tuple(lifted(a, f"arg{i}") for i, a in enumerate(fn.args))
+        keywords = {k: lifted(v, k) for k, v in fn.keywords.items()}
+        return functools.partial(fn.func, *args, **keywords)
+    code = getattr(fn, "__code__", None)
+    if not isinstance(fn, types.FunctionType) or code is None:
+        return fn
+    closure = fn.__closure__
+    if closure:
+        cells = []
+        for name, cell in zip(code.co_freevars, closure):
+            try:
+                contents = cell.cell_contents
+            except ValueError:  # an empty cell
+                cells.append(cell)
+                continue
+            cells.append(
+                types.CellType(lifted(contents, name)) if type(contents) is float else cell
+            )
+        closure = tuple(cells)
+    defaults = fn.__defaults__
+    if defaults:
+        names = code.co_varnames[: code.co_argcount][-len(defaults) :]
+        defaults = tuple(lifted(v, n) for n, v in zip(names, defaults))
+    if not tracer.scalars and not any(type(v) is float for v in (fn.__kwdefaults__ or {}).values()):
+        return fn
+    clone = types.FunctionType(code, fn.__globals__, fn.__name__, defaults, closure)
+    if fn.__kwdefaults__:
+        clone.__kwdefaults__ = {k: lifted(v, k) for k, v in fn.__kwdefaults__.items()}
+    return clone
+
+
+def _trace(
+    fn: Callable[..., Any], kind: ModKind, device: torch.device | None, lift_floats: bool = False
+) -> TracedMod:
     params = SCORE_MOD_PARAMS if kind == "score_mod" else MASK_MOD_PARAMS
     _check_arity(fn, kind, params)
     tracer = Tracer(kind, fn, device)
+    call = _lifted_call(fn, tracer) if lift_floats else fn
     proxies = [Proxy(tracer, irb.var(p)) for p in params]
     try:
-        result = fn(*proxies)
-    except ModTraceError:
-        raise
+        result = call(*proxies)
+        if tracer.scalars:
+            _check_result(tracer, result)
     except Exception as e:
+        if tracer.scalars:  # the mod needs a lifted value as a Python number: bake them in
+            return _trace(fn, kind, device)
+        if isinstance(e, ModTraceError):
+            raise
         raise ModTraceError(
             f"{kind} {tracer.mod_name!r} raised {type(e).__name__} while being traced: {e}"
         ) from e
@@ -373,10 +470,19 @@ def _trace(fn: Callable[..., Any], kind: ModKind, device: torch.device | None) -
         captures=tuple(tracer.captures),
         tensors=tuple(tracer.tensors),
         fn=fn,
+        scalars=tuple(tracer.scalars),
+        scalar_values=tuple(tracer.scalar_values),
     )
     if config.dump_ir is not None:
         _dump(traced)
     return traced
+
+
+def _check_result(tracer: Tracer, result: Any) -> None:
+    """Raise unless `result` lifts to an IR value (run while SCALARs stand for floats, so that a
+    mod returning a Python number computed from them is retraced with its floats baked in)."""
+    if result is None or not isinstance(lift(tracer, result), Node):
+        raise ModTraceError("not an IR value")
 
 
 def trace_score_mod(fn: Callable[..., Any], *, device: torch.device | None = None) -> TracedMod:

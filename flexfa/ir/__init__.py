@@ -9,7 +9,7 @@
 from flexfa.ir.autodiff import LoadGradient, ScoreModGradient, score_mod_gradient
 from flexfa.ir.dtypes import DType
 from flexfa.ir.evaluate import Evaluator, evaluate
-from flexfa.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS, Capture, Node, Op
+from flexfa.ir.nodes import MASK_MOD_PARAMS, SCORE_MOD_PARAMS, Capture, Node, Op, Scalar
 from flexfa.ir.printer import format_expr, format_graph
 from flexfa.ir.simplify import simplify
 from flexfa.ir.verify import IRVerificationError, verify
@@ -24,6 +24,7 @@ __all__ = [
     "LoadGradient",
     "Node",
     "Op",
+    "Scalar",
     "ScoreModGradient",
     "evaluate",
     "format_expr",

@@ -135,7 +135,11 @@ def score_mod_gradient(
     order = toposort([output])
     for n in reversed(order):
         g = adjoint.get(id(n))
-        if g is None or not n.dtype.is_float or n.op in (Op.CONST, Op.VAR, Op.LOAD, Op.CAPTURE):
+        if (
+            g is None
+            or not n.dtype.is_float
+            or n.op in (Op.CONST, Op.VAR, Op.LOAD, Op.CAPTURE, Op.SCALAR)
+        ):
             continue
         for src, contribution in zip(n.srcs, _grad_rules(n, g)):
             if contribution is None or not src.dtype.is_float:

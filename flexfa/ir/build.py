@@ -20,6 +20,7 @@ from flexfa.ir.nodes import (
     Node,
     Op,
 )
+from flexfa.ir.nodes import Scalar as ScalarArg
 
 Scalar = bool | int | float
 
@@ -57,6 +58,11 @@ def var(name: str) -> Node:
 
 def capture(cap: Capture) -> Node:
     return Node(Op.CAPTURE, cap.dtype, (), cap)
+
+
+def scalar(arg: ScalarArg) -> Node:
+    """A lifted Python number (Note [Lifted scalars])."""
+    return Node(Op.SCALAR, arg.dtype, (), arg)
 
 
 def load(cap_node: Node, indices: tuple[Node, ...]) -> Node:

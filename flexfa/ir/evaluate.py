@@ -71,6 +71,7 @@ class Evaluator:
         captures: the captured tensors, indexed by `Capture.slot`.
         float_dtype: the dtype float32 nodes are computed in (torch.float64 for a reference).
         device: where constants are created (defaults to the device of the first env tensor).
+        scalars: the values of lifted scalars, indexed by `Scalar.slot` (Note [Lifted scalars]).
 
     >>> import torch
     >>> from flexfa.ir import build as irb
@@ -86,9 +87,11 @@ class Evaluator:
         *,
         float_dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        scalars: Sequence[float] = (),
     ) -> None:
         self.env = dict(env)
         self.captures = list(captures)
+        self.scalars = tuple(scalars)
         self.float_dtype = float_dtype
         if device is None:
             device = next(iter(self.env.values())).device if self.env else torch.device("cpu")
@@ -126,6 +129,12 @@ class Evaluator:
             return value.to(self.compute_dtype(n.dtype))
         if op is Op.CAPTURE:
             return self.captures[n.arg.slot]
+        if op is Op.SCALAR:
+            try:
+                value = self.scalars[n.arg.slot]
+            except IndexError:
+                raise ValueError(f"no value given for lifted scalar {n.arg.name!r}") from None
+            return torch.tensor(value, dtype=self.compute_dtype(n.dtype), device=self.device)
         srcs = [self.memo[id(s)] for s in n.srcs]
         if op is Op.LOAD:
             return self._load(n.srcs[0].arg, srcs[0], srcs[1:])
@@ -174,7 +183,7 @@ def evaluate(
 
 def fold_constant(node: Node) -> float | int | bool | None:
     """The value of `node` if all its sources are constants and evaluation succeeds, else None."""
-    if node.op in (Op.CONST, Op.VAR, Op.CAPTURE, Op.LOAD):
+    if node.op in (Op.CONST, Op.VAR, Op.CAPTURE, Op.SCALAR, Op.LOAD):
         return None
     if not all(s.op is Op.CONST for s in node.srcs):
         return None

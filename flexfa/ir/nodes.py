@@ -4,8 +4,9 @@ A traced mod is a DAG of `Node`s. Nodes are interned: building the same (op, dty
 returns the same object, so structural equality is identity, common subexpressions are shared for
 free, and a node can be a dict key.
 
-Leaves are `CONST` (a Python value), `VAR` (one of the mod's parameters, see `VAR_TYPES`) and
-`CAPTURE` (a tensor the mod closes over, see `Capture`). `LOAD(capture, *indices)` reads one element
+Leaves are `CONST` (a Python value), `VAR` (one of the mod's parameters, see `VAR_TYPES`),
+`CAPTURE` (a tensor the mod closes over, see `Capture`) and `SCALAR` (a Python number passed at run
+time, see `Scalar`). `LOAD(capture, *indices)` reads one element
 of a captured tensor. Everything else is elementwise arithmetic.
 """
 
@@ -27,6 +28,7 @@ class Op(enum.Enum):
     CONST = "const"
     VAR = "var"
     CAPTURE = "capture"
+    SCALAR = "scalar"  # a lifted Python number, passed at run time (Note [Lifted scalars])
     # Memory: LOAD(capture, *indices).
     LOAD = "load"
     # Unary.
@@ -119,6 +121,45 @@ class Capture:
     def __post_init__(self) -> None:
         if self.slot < 0 or self.ndim < 0:
             raise ValueError(f"bad capture {self}")
+
+
+# Note [Lifted scalars]
+# Twenty score_mods that differ only in a Python float (`lambda s, b, h, q, kv, c=c: s + c * q`)
+# have one structure; compiling twenty kernels for them wastes seconds each. So the tracer replaces
+# the floats a mod reaches through its own closure cells and default arguments by SCALAR leaves,
+# and the IR holds only a `Scalar` descriptor (slot, name, dtype); the values travel beside the IR
+# like captured tensors do (`TracedMod.scalar_values[slot]`). A code generator passes each SCALAR as
+# one runtime argument of its kernels (a float32 value), so mods equal up to these values share
+# the IR key, the generated source and the compiled kernels.
+# What is lifted, and what is not:
+#   - floats (type float exactly, not bool/int) in the closure cells, `__defaults__` and
+#     `__kwdefaults__` of the score_mod itself, and in a `functools.partial`'s arguments;
+#   - not ints: they index, bound and size things, and Triton specializes integer arguments (on 1 and
+#     on divisibility by 16) so a lifted int would not give one compile anyway;
+#   - not mask_mods: block-mask analysis reasons about constant values;
+#   - not globals, attributes of callable objects, or numbers computed inside the mod.
+# If a mod uses a lifted value where Python needs a number (`if c > 0:`, `math.exp(c)`), tracing
+# with SCALARs fails and the mod is traced again with its floats as constants (one kernel per
+# value, as before).
+# A SCALAR is a leaf like CONST for every pass: no derivative flows into it, it is never folded.
+# For a code generator: a SCALAR node's `arg` is its `Scalar`; declare one runtime parameter per
+# entry of `TracedMod.scalars` (slot order, float32; the Triton emitter names it `<name>_value`,
+# after the capture parameters) and pass `TracedMod.scalar_values` at launch. Nothing else about
+# lifting concerns a backend: the values never appear in the IR, its digest or the key.
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalar:
+    """A lifted Python number, as the IR sees it: slot, readable name and dtype (Note [Lifted
+    scalars]). Its value for a call is `TracedMod.scalar_values[slot]`."""
+
+    slot: int
+    name: str
+    dtype: DType
+
+    def __post_init__(self) -> None:
+        if self.slot < 0 or not self.dtype.is_float:
+            raise ValueError(f"bad scalar {self}")
 
 
 def _arg_key(arg: Any) -> Any:
@@ -218,6 +259,8 @@ def _canonical_arg(arg: Any) -> str:
         return "f" + float.hex(arg) if math.isfinite(arg) else "f" + repr(arg)
     if isinstance(arg, Capture):
         return f"cap{arg.slot}:{arg.dtype.value}:{arg.ndim}:{arg.name}"
+    if isinstance(arg, Scalar):
+        return f"scalar{arg.slot}:{arg.dtype.value}:{arg.name}"
     if isinstance(arg, DType):
         return arg.value
     return repr(arg)

@@ -40,7 +40,7 @@ def _leaf_text(node: Node) -> str | None:
         return _const_text(node)
     if node.op is Op.VAR:
         return node.arg
-    if node.op is Op.CAPTURE:
+    if node.op in (Op.CAPTURE, Op.SCALAR):
         return node.arg.name
     return None
 

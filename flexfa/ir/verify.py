@@ -16,6 +16,7 @@ from flexfa.ir.nodes import (
     Capture,
     Node,
     Op,
+    Scalar,
     toposort,
 )
 
@@ -56,6 +57,9 @@ def _check_node(node: Node) -> None:
     elif op is Op.CAPTURE:
         if not isinstance(node.arg, Capture) or node.arg.dtype is not t or srcs:
             _fail(node, "capture type mismatch")
+    elif op is Op.SCALAR:
+        if not isinstance(node.arg, Scalar) or node.arg.dtype is not t or srcs:
+            _fail(node, "scalar type mismatch")
     elif op is Op.LOAD:
         if not srcs or srcs[0].op is not Op.CAPTURE:
             _fail(node, "load must read a CAPTURE")

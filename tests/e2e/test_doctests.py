@@ -20,6 +20,7 @@ MODULES = [
     "flexfa.paged",
     "flexfa.codegen.cute.plan",
     "flexfa.backends.fa4",
+    "flexfa.torch_options",
 ]
 
 

@@ -209,7 +209,8 @@ def test_captured_tensor_too_small_for_an_attended_pair():
 def test_block_mask_of_the_wrong_type():
     raises(
         TypeError,
-        r"block_mask must be a flexfa.BlockMask, a mask_mod\(b, h, q_idx, kv_idx\) or None, got Tensor",
+        r"block_mask must be a flexfa.BlockMask, a torch BlockMask, a mask_mod\(b, h, q_idx, "
+        r"kv_idx\) or None, got Tensor",
         *qkv(),
         block_mask=torch.ones(8, 8, dtype=torch.bool),
     )

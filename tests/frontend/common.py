@@ -26,7 +26,9 @@ def traced_values(traced: TracedMod, score: torch.Tensor | None = None) -> torch
     if score is not None:
         env["score"] = score
         float_dtype = score.dtype
-    value = Evaluator(env, traced.tensors, float_dtype=float_dtype)(traced.output)
+    value = Evaluator(env, traced.tensors, float_dtype=float_dtype, scalars=traced.scalar_values)(
+        traced.output
+    )
     return value.expand(B, H, LQ, LKV)
 
 

@@ -206,7 +206,8 @@ def test_catalog_traces_like_eager(entry):
 
 
 def test_closures_over_python_numbers():
-    """A closed-over number is part of the IR: different values give different IR and keys."""
+    """A closed-over float is lifted (one IR and key, values beside it); an int stays a constant
+    (Note [Lifted scalars])."""
 
     def make(scale):
         def mod(score, b, h, q_idx, kv_idx):
@@ -219,18 +220,36 @@ def test_closures_over_python_numbers():
         trace(make(0.5), "score_mod"),
         trace(make(2.0), "score_mod"),
     )
-    assert a.output is a_again.output and a.key == a_again.key
-    assert a.output is not other.output and a.key != other.key
-    assert "0.25" in a.format() and "(score * 2.0)" in other.format()
-    assert "* 1.0" not in other.format()  # x * 1 was simplified away
+    assert a.output is a_again.output is other.output and a.key == other.key
+    assert (a.scalar_values, other.scalar_values) == ((0.5,), (2.0,))
+    assert [s.name for s in a.scalars] == ["scale"] and "(score * scale)" in a.format()
+    ints = trace(make(2), "score_mod"), trace(make(3), "score_mod")
+    assert ints[0].key != ints[1].key and not ints[0].scalars
+    assert "(score * 2.0)" in ints[0].format() or "(score * 2)" in ints[0].format()
+
+
+def test_python_control_flow_on_a_float_bakes_it():
+    """A float used as a Python number (here in an `if`) cannot be lifted: it is a constant and
+    each value has its own trace."""
+
+    def make(c):
+        def mod(score, b, h, q_idx, kv_idx):
+            return score * c if c > 1.0 else score - c
+
+        return mod
+
+    two, three, half = (trace(make(c), "score_mod") for c in (2.0, 3.0, 0.5))
+    assert not two.scalars and two.key != three.key
+    assert "(score * 3.0)" in three.format() and "(score - 0.5)" in half.format()
+    assert trace(make(3.0), "score_mod").output is three.output
 
 
 def test_flexfa_mods_are_plain_closures():
-    """softcap(cap) bakes `cap` into the IR; alibi binds the head count."""
-    assert (
-        trace(flexfa.mods.softcap(20), "score_mod").key
-        != trace(flexfa.mods.softcap(30), "score_mod").key
-    )
+    """softcap(cap) lifts `cap` (one IR for every cap); alibi binds the head count, whose slope
+    exponent is a lifted float too."""
+    twenty, thirty = (trace(flexfa.mods.softcap(c), "score_mod") for c in (20, 30))
+    assert twenty.key == thirty.key
+    assert (twenty.scalar_values, thirty.scalar_values) == ((20.0,), (30.0,))
     four, eight = (trace(flexfa.mods.alibi.bind(n), "score_mod") for n in (4, 8))
-    assert four.output is not eight.output
+    assert four.output is eight.output and four.scalar_values != eight.scalar_values
     assert Op.EXP2 in _ops(four)

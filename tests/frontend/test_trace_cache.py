@@ -10,11 +10,31 @@ from flexfa.frontend.cache import Uncacheable, fingerprint, traces
 
 
 def test_same_factory_and_values_share_a_trace():
+    misses = traces.misses
     a = trace_score_mod(flexfa.mods.softcap(30.0))
     b = trace_score_mod(flexfa.mods.softcap(30.0))
     assert a is b
     c = trace_score_mod(flexfa.mods.softcap(20.0))
-    assert c is not a and c.output is not a.output
+    # A new value of a lifted float reuses the trace (Note [Lifted scalars]).
+    assert c is not a and c.output is a.output and c.scalar_values == (20.0,)
+    assert traces.misses <= misses + 1
+
+
+def test_lifted_floats_of_defaults_and_partials_reuse_one_trace():
+    import functools
+
+    lambdas = [lambda s, b, h, q, kv, c=c: s + c * 0.01 * (kv - q) for c in (1.0, 2.0, 3.0)]
+    misses = traces.misses
+    traced = [trace_score_mod(m) for m in lambdas]
+    assert traces.misses == misses + 1
+    assert len({t.key for t in traced}) == 1
+    assert [t.scalar_values for t in traced] == [(1.0,), (2.0,), (3.0,)]
+
+    def scaled(score, b, h, q_idx, kv_idx, factor):
+        return score * factor
+
+    p1, p2 = (trace_score_mod(functools.partial(scaled, factor=f)) for f in (0.5, 0.25))
+    assert p1.output is p2.output and p2.scalar_values == (0.25,)
 
 
 def test_a_new_captured_tensor_is_a_new_trace_bound_to_it():
@@ -88,3 +108,19 @@ def test_unknown_objects_make_a_mod_uncacheable_but_still_traceable():
 def test_heads_bound_mods_are_reused():
     assert flexfa.mods.alibi.bind(8) is flexfa.mods.alibi.bind(8)
     assert trace_score_mod(flexfa.mods.alibi.bind(8)) is trace_score_mod(flexfa.mods.alibi.bind(8))
+
+
+def test_a_module_mod_is_cached_by_its_parameters():
+    class Bias(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.zeros(4))
+
+        def forward(self, score, b, h, q_idx, kv_idx):
+            return score + self.table[h]
+
+    bias = Bias()
+    first = trace_score_mod(bias)
+    assert trace_score_mod(bias) is first and first.tensors[0] is bias.table
+    bias.table = torch.nn.Parameter(torch.zeros(4))  # a new parameter: traced again, bound to it
+    assert trace_score_mod(bias).tensors[0] is bias.table

@@ -19,11 +19,12 @@ then the mask_mod's, then one float32 gradient buffer per score_mod capture that
 FA4 passes the same list to every hook, so each function reads its own entries by position.
 
 # Note [Constants in generated CuTe source]
-# Every constant of the IR is printed by `Constants.literal`, and nowhere else. Today it prints a
-# typed literal (`cutlass.Float32(0.125)`). When the frontend lifts Python scalars out of the IR
-# (mods that differ only in a float constant share one compile), `Constants` is the one place that
-# maps a lifted constant to `aux_scalars[i]` (FA4 passes runtime scalars to the hooks after
-# `aux_tensors`); the functions' bodies need no other change.
+# Every constant of the IR is printed by `Constants`, and nowhere else: `literal` prints a typed
+# literal (`cutlass.Float32(0.125)`). Lifted Python scalars (SCALAR leaves, Note [Lifted scalars]
+# in flexfa/ir/nodes.py) are printed by `scalar` as literals of this call's values, so for now the
+# fa4 backend compiles once per scalar value: the values are part of its module key
+# (flexfa/codegen/cute/module.py). Passing them as FA4's runtime `aux_scalars` instead changes
+# `scalar` alone; the functions' bodies need no other change.
 #
 # Note [Captured gradients in the FA4 backward]
 # d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
@@ -140,6 +141,13 @@ class ModSource:
 class Constants:
     """Where every IR constant's text comes from (Note [Constants in generated CuTe source])."""
 
+    def __init__(self, scalar_values: tuple[float, ...] = ()) -> None:
+        self.scalar_values = scalar_values
+
+    def scalar(self, node: Node) -> str:
+        """A lifted scalar, printed as this call's value."""
+        return self.literal(Node(Op.CONST, node.dtype, (), self.scalar_values[node.arg.slot]))
+
     def literal(self, node: Node) -> str:
         v = node.arg
         if node.dtype.is_bool:
@@ -179,6 +187,8 @@ class _Body:
                 self.names[id(n)] = _SCALAR_OF[n.arg][0]
             elif n.op is Op.CAPTURE:
                 self.names[id(n)] = f"aux_tensors[{self.aux_index[n.arg.slot]}]"
+            elif n.op is Op.SCALAR:
+                self.names[id(n)] = self.constants.scalar(n)
             else:
                 tmp = f"t{len(self.lines)}"
                 self.lines.append(f"{tmp} = {self._expr(n)}")

@@ -19,7 +19,13 @@ from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.codegen.triton import autotune, decode, emit
 from flexfa.codegen.triton import configs as cfgs
-from flexfa.codegen.triton.launch import KernelLaunch, launch
+from flexfa.codegen.triton.launch import (
+    KernelLaunch,
+    concurrent_enabled,
+    launch,
+    prewarm,
+    warm_up,
+)
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
 from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
 from flexfa.config import config
@@ -85,7 +91,7 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
 def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -> list:
     if traced is None:
         return []
-    return emit.capture_values(tensors)
+    return emit.mod_values(traced, tensors)
 
 
 class Launcher:
@@ -116,6 +122,7 @@ class Launcher:
             if key is not None:
                 plans[key] = found
         self.plan: Plan = found
+        self.max_scores: torch.Tensor | None = None  # written by `forward` when the spec asks
 
     # The plan's fields, read as the launcher's own (autotuning writes through to the plan).
     key = property(lambda self: self.plan.key)
@@ -211,15 +218,17 @@ class Launcher:
         )
 
     def forward_launch(
-        self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None
+        self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None, max_scores=None
     ) -> KernelLaunch:
+        """`max_scores` (laid out like `lse`): also write the row max of the modified scores."""
         spec = self.spec
         bm = spec.block_mask
         cfg = cfg or self.configs.fwd
         Lq, Lkv = spec.len_q, spec.len_kv
         constexprs = self._kv_side_constexprs(cfg.block_m, cfg.block_n)
+        constexprs["WRITE_MAX"] = max_scores is not None
         args = [
-            q, k, v, out, lse,
+            q, k, v, out, lse, lse if max_scores is None else max_scores,
             *q.stride(), *spec.kv_strides(k), *spec.kv_strides(v), *out.stride(),
             lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
@@ -332,8 +341,31 @@ class Launcher:
         )
         if self.tune:
             self._tune_forward(q, k, v, out, lse, score_tensors)
-        launch(self.forward_launch(q, k, v, out, lse, score_tensors))
+        elif spec.needs_grad and id(self.plan) not in _prewarmed and concurrent_enabled():
+            _prewarmed.add(id(self.plan))
+            self._prewarm_backward(q, k, v, out, lse, score_tensors)
+        max_scores = torch.empty_like(lse) if spec.max_scores else None
+        launch(self.forward_launch(q, k, v, out, lse, score_tensors, max_scores=max_scores))
+        self.max_scores = max_scores
         return out, lse
+
+    def _prewarm_backward(self, q, k, v, out, lse, score_tensors) -> None:
+        """Start compiling the backward's kernels now, with stand-ins for the tensors it will
+        have (Note [Concurrent compiles])."""
+        dev = q.device
+        slots = sorted(self.grad_slots)
+        fused = self.fused_dq and not self.spec.deterministic
+        dq_acc = torch.empty(q.shape, dtype=torch.float32, device=dev) if fused else None
+        grads = [
+            torch.empty(score_tensors[s].shape, dtype=torch.float32, device=dev) for s in slots
+        ]
+        grads += [torch.empty(0, device=dev)] if slots else []
+        launches = self.backward_launches(
+            q, k, v, out, lse, torch.empty_like(out), None, torch.empty_like(lse),
+            torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), score_tensors, grads,
+            1 if slots else 0, dq_acc=dq_acc,
+        )  # fmt: skip
+        prewarm(launches)
 
     def _candidates(self, which: str) -> list:
         spec = self.spec
@@ -394,7 +426,9 @@ class Launcher:
 
         def run(grad_buffers: list, mode: int, only_dq: bool = False) -> None:
             launches = self.backward_launches(*common, grad_buffers, mode, dq_acc=dq_acc)
-            for kl in launches[-1:] if only_dq else launches:
+            launches = launches[-1:] if only_dq else launches
+            warm_up(launches)  # a cold backward compiles its kernels concurrently
+            for kl in launches:
                 launch(kl)
 
         if self.tune:
@@ -429,6 +463,9 @@ class Launcher:
         return dq, dk, dv, grads
 
 
+_prewarmed: set[int] = set()  # ids of plans whose backward compiles a forward has started
+
+
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -439,10 +476,12 @@ class _TritonFunction(torch.autograd.Function):
         out, lse = launcher.forward(q, k, v, score_tensors)
         ctx.launcher = launcher
         ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
-        return out, lse
+        max_scores = launcher.max_scores if launcher.max_scores is not None else lse.new_empty(0)
+        ctx.mark_non_differentiable(max_scores)
+        return out, lse, max_scores
 
     @staticmethod
-    def backward(ctx, dout, dlse):
+    def backward(ctx, dout, dlse, dmax=None):
         q, k, v, out, lse, *score_tensors = ctx.saved_tensors
         launcher: Launcher = ctx.launcher
         grad_slots = frozenset(s for s in launcher.grad_slots if ctx.needs_input_grad[4 + s])
@@ -483,6 +522,12 @@ def _options_problem(spec: AttentionSpec) -> str | None:
     return problem
 
 
+def _score_tensors(spec: AttentionSpec) -> tuple[torch.Tensor, ...]:
+    return tuple(
+        t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
+    )
+
+
 class TritonBackend(Backend):
     """Generated Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
 
@@ -513,7 +558,22 @@ class TritonBackend(Backend):
         reason = _options_problem(spec)
         if reason:
             return Support.no(reason)
+        if spec.paged is not None and spec.max_scores:
+            return Support.no("the decode kernels that read paged caches write no max_scores")
         return Support.yes()
+
+    def forward(self, spec, q, k, v):
+        launcher = Launcher(spec)
+        out, lse = launcher.forward(q, k, v, _score_tensors(spec))
+        return out, lse, out, launcher.max_scores
+
+    def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
+        launcher = Launcher(spec)
+        dq, dk, dv, grads = launcher.backward(
+            q, k, v, saved.to(q.dtype), lse, dout, dlse, _score_tensors(spec), grad_slots
+        )
+        tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+        return dq, dk, dv, {i: g.to(tensors[i].dtype) for i, g in grads.items()}
 
     def run(self, spec, q, k, v):
         if decode.applies(spec):
@@ -523,9 +583,11 @@ class TritonBackend(Backend):
             t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
         )
         if spec.needs_grad:
-            return _TritonFunction.apply(launcher, q, k, v, *score_tensors)
+            out, lse, max_scores = _TritonFunction.apply(launcher, q, k, v, *score_tensors)
+            return (out, lse, max_scores) if spec.max_scores else (out, lse)
         with torch.no_grad():
-            return launcher.forward(q, k, v, score_tensors)
+            out, lse = launcher.forward(q, k, v, score_tensors)
+            return (out, lse, launcher.max_scores) if spec.max_scores else (out, lse)
 
 
 register(TritonBackend())

@@ -70,8 +70,8 @@ def applies(spec: AttentionSpec) -> bool:
     wanted = spec.kernel_options.get("decode", "auto")
     if wanted not in (True, False, "auto"):
         raise ValueError(f"kernel_options['decode'] must be True, False or 'auto', got {wanted!r}")
-    if spec.needs_grad or wanted is False:
-        return False
+    if spec.needs_grad or spec.max_scores or wanted is False:
+        return False  # the decode kernels write no max_scores
     return wanted is True or (spec.len_q <= MAX_LEN_Q and spec.len_kv > spec.len_q)
 
 

@@ -8,8 +8,9 @@ Signatures (one fixed shape per role; kernels call the functions by name):
                           <capture grad pointers>, capture_scales, CAPTURE_MODE, Q_AXIS)
                                                                    -> grad * d new_score / d score
 
-Capture params, per captured tensor `c` of rank n: `c_ptr, c_stride0..n-1, c_size0..n-1`; in the
-gradient function also `c_grad_ptr` for each capture that needs a gradient. Inside a kernel
+Capture params, per captured tensor `c` of rank n: `c_ptr, c_stride0..n-1, c_size0..n-1`, then one
+`s_value` per lifted scalar `s` (a float32 argument, Note [Lifted scalars] in flexfa/ir/nodes.py);
+in the gradient function also `c_grad_ptr` for each capture that needs a gradient. Inside a kernel
 `score` is a [rows, cols] tile, `b`/`h` are scalars and `q_idx`/`kv_idx` broadcast along one axis
 each; the body is element-wise, so the same source serves any tile orientation.
 
@@ -46,7 +47,7 @@ import torch
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.dtypes import DType
-from flexfa.ir.nodes import Capture, Node, Op, toposort
+from flexfa.ir.nodes import Capture, Node, Op, Scalar, toposort
 
 TL_DTYPE = {
     DType.BOOL: "tl.int1",
@@ -131,6 +132,22 @@ def capture_params(traced: TracedMod) -> tuple[CaptureParams, ...]:
     return tuple(CaptureParams(c) for c in traced.captures)
 
 
+def scalar_param(scalar: Scalar) -> str:
+    """The parameter name of a lifted scalar in generated functions and kernels."""
+    return f"{scalar.name}_value"
+
+
+def mod_param_names(traced: TracedMod) -> tuple[str, ...]:
+    """A mod function's parameters after the fixed ones: captures, then lifted scalars."""
+    caps = tuple(p for c in capture_params(traced) for p in c.names())
+    return (*caps, *(scalar_param(s) for s in traced.scalars))
+
+
+def mod_values(traced: TracedMod, tensors: tuple[torch.Tensor, ...]) -> list:
+    """The launch arguments for `mod_param_names(traced)`: `capture_values`, then the scalars."""
+    return [*capture_values(tensors), *traced.scalar_values]
+
+
 def capture_values(tensors: tuple[torch.Tensor, ...]) -> list:
     """The launch arguments for `CaptureParams.names()` of each capture: pointer, strides, sizes."""
     out: list = []
@@ -193,6 +210,8 @@ class _Body:
                 self.names[id(n)] = self.param_of_var[n.arg]
             elif n.op is Op.CAPTURE:
                 self.names[id(n)] = CaptureParams(n.arg).ptr
+            elif n.op is Op.SCALAR:
+                self.names[id(n)] = scalar_param(n.arg)
             else:
                 tmp = f"t{len(self.lines)}"
                 self.lines.append(f"{tmp} = {self._expr(n)}")
@@ -336,8 +355,7 @@ _VAR_PARAMS = {v: v for v in ("score", "b", "h", "q_idx", "kv_idx")}
 
 def emit_mod(traced: TracedMod, fn_name: str) -> ModSource:
     """The forward device function of a score_mod or mask_mod."""
-    caps = capture_params(traced)
-    extra = tuple(p for c in caps for p in c.names())
+    extra = mod_param_names(traced)
     body = _Body(_VAR_PARAMS)
     body.emit([traced.output])
     ret = _result(body, traced.output, "score.shape" if traced.kind == "score_mod" else None)
@@ -357,7 +375,7 @@ def emit_score_mod_grad(
     caps = capture_params(traced)
     grad_caps = sorted(grad_slots)
     extra = (
-        *(p for c in caps for p in c.names()),
+        *mod_param_names(traced),
         *(caps[slot].grad_ptr for slot in grad_caps),
         *(("capture_scales",) if grad_caps else ()),
     )

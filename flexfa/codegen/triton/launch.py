@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import logging
+import threading
 import time
 from typing import Any
 
@@ -65,12 +67,99 @@ def run_logged(fast_key: tuple, label: str, run) -> None:
     )
 
 
-def launch(kl: KernelLaunch) -> None:
-    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
-    run = lambda: kl.kernel[kl.grid](
-        *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
+# Note [Concurrent compiles]
+# The first backward compiles its kernels (preprocess, dK/dV, dQ) at their first launches, one
+# after another, and a cold backward took the sum of their compile times. They are independent
+# (no kernel's compile needs another's), so `warm_up` compiles every kernel of a list that has not
+# been launched yet at once, on a small thread pool, with Triton's `warmup` (compile with the
+# exact arguments of the launch, do not run); the launches that follow find their binaries in
+# Triton's cache. Triton's frontend holds the GIL, but its MLIR/LLVM passes and ptxas release it,
+# which is where most of a compile goes. A warm-up that fails only costs the time it took: the
+# launch compiles again and reports any error itself.
+# A forward that will be followed by a backward starts those compiles already (`prewarm`, with
+# stand-in tensors shaped like the backward's), so they overlap the forward's own compile and run;
+# the backward then waits only for what is still compiling. FLEXFA_CONCURRENT_COMPILE=0 turns both
+# off.
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+_pending: dict[tuple, concurrent.futures.Future] = {}
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="flexfa-compile")
+        return _pool
+
+
+def concurrent_enabled() -> bool:
+    """Whether kernels are compiled on the thread pool (Note [Concurrent compiles])."""
+    return config.concurrent_compile and not config.triton_interpret and torch.cuda.is_available()
+
+
+def _submit(cold: list[KernelLaunch]) -> list[concurrent.futures.Future]:
+    device = torch.cuda.current_device()
+
+    def compile_one(kl: KernelLaunch) -> None:
+        with torch.cuda.device(device):
+            kl.kernel.warmup(
+                *kl.args, grid=kl.grid, num_warps=kl.num_warps, num_stages=kl.num_stages,
+                **kl.constexprs,
+            )  # fmt: skip
+
+    return [_executor().submit(compile_one, kl) for kl in cold]
+
+
+def _wait(kl: KernelLaunch, future: concurrent.futures.Future) -> None:
+    try:
+        future.result()
+    except Exception as e:  # the launch compiles it again and raises if it must
+        log.debug("flexfa: concurrent compile of %s failed: %s", kl.label, e)
+
+
+def prewarm(launches: list[KernelLaunch]) -> None:
+    """Start compiling the kernels of `launches` not launched or compiling yet, and return at
+    once (Note [Concurrent compiles]); `warm_up` and `launch` wait for them."""
+    if not concurrent_enabled():
+        return
+    cold = [kl for kl in launches if _fast_key(kl) not in _launched | _pending.keys()]
+    for kl, future in zip(cold, _submit(cold)):
+        _pending[_fast_key(kl)] = future
+
+
+def _await_pending(kl: KernelLaunch) -> bool:
+    future = _pending.pop(_fast_key(kl), None)
+    if future is None:
+        return False
+    _wait(kl, future)
+    return True
+
+
+def warm_up(launches: list[KernelLaunch]) -> None:
+    """Compile the kernels of `launches` not launched before, concurrently (Note [Concurrent
+    compiles]), after waiting for those `prewarm` started. Does nothing under TRITON_INTERPRET."""
+    if not concurrent_enabled():
+        return
+    start = time.perf_counter()
+    awaited = [kl for kl in launches if _pending and _await_pending(kl)]
+    cold = [kl for kl in launches if _fast_key(kl) not in _launched and kl not in awaited]
+    if len(cold) < 2 and not awaited:
+        return
+    if len(cold) >= 2:
+        for kl, future in zip(cold, _submit(cold)):
+            _wait(kl, future)
+    log.log(
+        logging.INFO if config.log_compiles else logging.DEBUG,
+        "flexfa: %d kernels compiled concurrently (%d started earlier), waited %.2f s",
+        len(cold) + len(awaited),
+        len(awaited),
+        time.perf_counter() - start,
     )
-    fast_key = (
+
+
+def _fast_key(kl: KernelLaunch) -> tuple:
+    return (
         id(kl.kernel),
         kl.num_warps,
         kl.num_stages,
@@ -78,4 +167,13 @@ def launch(kl: KernelLaunch) -> None:
         kl.key.config,
         kl.key.constexprs,
     )
-    run_logged(fast_key, kl.label, run)
+
+
+def launch(kl: KernelLaunch) -> None:
+    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
+    run = lambda: kl.kernel[kl.grid](
+        *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
+    )
+    if _pending:  # a compile of this kernel may have been started by prewarm
+        _await_pending(kl)
+    run_logged(_fast_key(kl), kl.label, run)

@@ -240,6 +240,21 @@ def _interpreter_off():
             os.environ["TRITON_INTERPRET"] = saved
 
 
+def compiled_kernel_count() -> int:
+    """How many compiled kernel specializations the loaded generated modules hold (Triton's
+    per-device caches of their JIT functions; 0 under TRITON_INTERPRET). Tests and benchmarks
+    use it to count compiles."""
+    total = 0
+    with _lock:
+        modules = list(_modules.values())
+    for mod in modules:
+        for obj in vars(mod).values():
+            caches = getattr(obj, "device_caches", None)
+            if isinstance(caches, dict):
+                total += sum(len(entry[0]) for entry in caches.values())
+    return total
+
+
 def clear_memory_cache() -> None:
     """Forget loaded modules (the disk cache stays). Tests use this to simulate a new process."""
     with _lock:

@@ -1,0 +1,548 @@
+"""flexfa inside `torch.compile`: the attention as two torch.library ops.
+
+# Note [flexfa under torch.compile]
+# Dynamo cannot trace flexfa's front end (the trace cache hashes code objects and ids, the tracer
+# runs the mod on proxies), and should not: the front end's job is to turn Python mods into
+# kernels once, which is exactly what a compiled graph wants to skip. So under `torch.compile`,
+# `flexfa.attention` splits a call into what is decided once, while Dynamo traces, and what runs
+# every step, inside the graph:
+#   - `_describe(...)`, marked `torch.compiler.assume_constant_result`, runs in plain Python when
+#     Dynamo reaches the call: it traces the score_mod and mask_mod (the usual trace cache), stores
+#     them with the call's options in a registry under a short hashable key, and returns that key
+#     together with *paths* to the tensors the mods capture (closure cell i, global `name`,
+#     default i, attribute `name`, item i, ...). It is never traced by Dynamo.
+#   - Dynamo then follows those paths itself (`fn.__closure__[i].cell_contents`, ...), so each
+#     captured tensor reaches the graph as what it is there: an `nn.Parameter` of the model, a
+#     buffer, an input, an intermediate. Guards on those tensors come with it, and a parameter's
+#     values changing (an optimizer step) changes nothing in the graph: no recompile.
+#   - `torch.ops.flexfa.attention(q, k, v, score_tensors, mask_tensors, scalars, key, ...)` is a
+#     custom op with a fake (meta) implementation, so the graph has no break and dynamic shapes
+#     flow through it; its autograd formula is registered and calls `flexfa::attention_backward`,
+#     another custom op, so gradients reach q, k, v and the captured tensors, under AOTAutograd as
+#     in eager. Inside, the ops look the key up, bind the tensors to the traced mods, build (or find
+#     in its cache) the BlockMask for the actual lengths and run a backend's forward or backward.
+# The ops run the same backends as eager calls; only where the block mask is built differs: inside
+# the op, per call shape, from the mask_mod, so sequence lengths may change under `dynamic=True`
+# without a recompile. A `flexfa.BlockMask` or torch `BlockMask` given to a compiled call is used
+# through its mask_mod (rebuilt for the call's lengths, cached); block lists given by hand
+# (`BlockMask.from_kv_blocks`) are not supported under torch.compile and raise.
+# Lifted scalars (Note [Lifted scalars]) are passed as a `float[]` argument holding the values
+# `_describe` saw: graph constants. Dynamo guards on the identity of the mod it passes, so a new
+# mod object (a new `softcap(c)`, a new lambda) traces again; a float changed in place inside the
+# same mod's closure (`nonlocal`) is not seen until the graph is traced again.
+# Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built while the graph is recorded:
+# a mask_mod that reads a captured tensor (document ids) must keep that tensor's values fixed across
+# replays, or be called outside the graphed region.
+# Eager calls never reach this module: `torch.compiler.is_compiling()` is the only cost they pay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import threading
+import types
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from flexfa import backends
+from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
+from flexfa.blockmask.block_mask import BlockMask, BlockSize
+from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
+from flexfa.mods import HeadsDependentMod
+from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
+
+Path = tuple[tuple[str, Any], ...]
+_MAX_DEPTH = 5
+
+
+# -- where captured tensors live --------------------------------------------------------------------
+def tensor_paths(fn: Any) -> dict[int, Path]:
+    """id(tensor) -> the attribute path from `fn` to it, for every tensor `fn` can reach through
+    closure cells, globals it names, defaults, partial arguments, bound selves and attributes."""
+    paths: dict[int, Path] = {}
+    seen: set[int] = set()
+
+    def value(v: Any, path: Path, depth: int) -> None:
+        if isinstance(v, torch.Tensor):
+            paths.setdefault(id(v), path)
+            return
+        if depth > _MAX_DEPTH or id(v) in seen or v is None or isinstance(v, (str, int, float)):
+            return
+        if isinstance(v, (types.ModuleType, type)):
+            return
+        seen.add(id(v))
+        if isinstance(v, (tuple, list)) and len(v) <= 64:
+            for i, item in enumerate(v):
+                value(item, (*path, ("item", i)), depth + 1)
+        elif isinstance(v, dict) and len(v) <= 64:
+            for key, item in v.items():
+                if isinstance(key, (str, int)):
+                    value(item, (*path, ("item", key)), depth + 1)
+        elif isinstance(v, torch.nn.Module):
+            for name, t in [*v.named_parameters(recurse=False), *v.named_buffers(recurse=False)]:
+                paths.setdefault(id(t), (*path, ("attr", name)))
+            for name, child in v.named_children():
+                value(child, (*path, ("attr", name)), depth + 1)
+            for name, item in vars(v).items():
+                if not name.startswith("_"):
+                    value(item, (*path, ("attr", name)), depth + 1)
+        elif callable(v):
+            function(v, path, depth)
+
+    def function(f: Any, path: Path, depth: int) -> None:
+        code = getattr(f, "__code__", None)
+        if isinstance(f, torch.nn.Module):
+            seen.discard(id(f))
+            value(f, path, depth)
+        elif isinstance(f, types.FunctionType) and code is not None:
+            for i, cell in enumerate(f.__closure__ or ()):
+                try:
+                    contents = cell.cell_contents
+                except ValueError:
+                    continue
+                value(contents, (*path, ("cell", i)), depth + 1)
+            for name in code.co_names:
+                if name in f.__globals__:
+                    value(f.__globals__[name], (*path, ("global", name)), depth + 1)
+            for i, d in enumerate(f.__defaults__ or ()):
+                value(d, (*path, ("default", i)), depth + 1)
+        elif isinstance(f, types.MethodType):
+            value(f.__self__, (*path, ("self", None)), depth + 1)
+            function(f.__func__, (*path, ("func", None)), depth + 1)
+        elif hasattr(f, "__dict__") and not isinstance(f, types.BuiltinFunctionType):
+            for name, item in vars(f).items():
+                value(item, (*path, ("attr", name)), depth + 1)
+
+    seen.add(id(fn))
+    function(fn, (), 0)
+    return paths
+
+
+def follow(root: Any, path: Path) -> Any:
+    """The object at `path` from `root` (Dynamo traces this, installing guards on the way)."""
+    obj = root
+    for kind, arg in path:
+        if kind == "cell":
+            obj = obj.__closure__[arg].cell_contents
+        elif kind == "global":
+            obj = obj.__globals__[arg]
+        elif kind == "default":
+            obj = obj.__defaults__[arg]
+        elif kind == "self":
+            obj = obj.__self__
+        elif kind == "func":
+            obj = obj.__func__
+        elif kind == "attr":
+            obj = getattr(obj, arg)
+        else:  # "item"
+            obj = obj[arg]
+    return obj
+
+
+# -- the registry of described calls ----------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """What `_describe` decided for one call site: traced mods, where their tensors come from, and
+    the options. `*_inputs[slot]` is the index of that capture among the op's tensor inputs, or
+    None where the tensor is not reachable by a path and the traced tensor is used as a constant."""
+
+    heads: Callable[[int], Any] | None  # a HeadsDependentMod's factory, bound per call
+    score: TracedMod | None
+    mask: TracedMod | None
+    score_paths: tuple[Path, ...]
+    mask_paths: tuple[Path, ...]
+    score_inputs: tuple[int | None, ...]
+    mask_inputs: tuple[int | None, ...]
+    block_size: BlockSize
+    backend: str
+    kernel_options: tuple[tuple[str, Any], ...]
+    deterministic: bool
+    enable_gqa: bool
+
+    def bind(
+        self,
+        score_tensors: list[torch.Tensor],
+        mask_tensors: list[torch.Tensor],
+        scalars: list,
+        q: torch.Tensor,
+    ) -> tuple[TracedMod | None, TracedMod | None]:
+        score, mask = self.score, self.mask
+        if self.heads is not None:
+            score = trace_score_mod(self.heads(q.shape[1]), device=q.device)
+            score = None if score.is_identity else score
+        elif score is not None:
+            tensors = tuple(
+                t if i is None else score_tensors[i]
+                for t, i in zip(score.tensors, self.score_inputs)
+            )
+            score = dataclasses.replace(score, tensors=tensors, scalar_values=tuple(scalars))
+        if mask is not None and self.mask_inputs:
+            tensors = tuple(
+                t if i is None else mask_tensors[i] for t, i in zip(mask.tensors, self.mask_inputs)
+            )
+            mask = mask.with_tensors(tensors)
+        return score, mask
+
+
+_registry: dict[str, Described] = {}
+_lock = threading.Lock()
+
+
+def _paths_for(
+    traced: TracedMod | None, fn: Any
+) -> tuple[tuple[Path, ...], tuple[int | None, ...]]:
+    if traced is None or not traced.tensors:
+        return (), ()
+    found = tensor_paths(fn)
+    paths: list[Path] = []
+    inputs: list[int | None] = []
+    for t in traced.tensors:
+        path = found.get(id(t))
+        if path is None:
+            inputs.append(None)
+        else:
+            inputs.append(len(paths))
+            paths.append(path)
+    return tuple(paths), tuple(inputs)
+
+
+def _mask_parts(block_mask: Any) -> tuple[Callable[..., Any] | None, BlockSize]:
+    """The mask_mod and block size a compiled call builds its BlockMask from."""
+    if block_mask is None:
+        return None, DEFAULT_BLOCK_SIZE
+    if isinstance(block_mask, BlockMask):
+        if not block_mask.tiles_from_mask:
+            raise NotImplementedError(
+                "block_mask: a BlockMask whose block lists were given by hand (from_kv_blocks) "
+                "cannot be used inside torch.compile; pass its mask_mod, or call flexfa.attention "
+                "outside the compiled region"
+            )
+        return block_mask.mask.fn, block_mask.block_size
+    if is_torch_block_mask(block_mask):
+        bq, bkv = block_mask.BLOCK_SIZE
+        return block_mask.mask_mod, BlockSize(int(bq), int(bkv))
+    if callable(block_mask):
+        return block_mask, DEFAULT_BLOCK_SIZE
+    raise TypeError(
+        "block_mask must be a flexfa.BlockMask, a torch BlockMask, a mask_mod(b, h, q_idx, kv_idx) "
+        f"or None, got {type(block_mask).__name__}"
+    )
+
+
+@torch.compiler.assume_constant_result
+def _describe(
+    score_mod: Any,
+    heads: Callable[[int], Any] | None,
+    block_mask: Any,
+    device_type: str,
+    backend: str,
+    kernel_options: tuple[tuple[str, Any], ...],
+    deterministic: bool,
+    enable_gqa: bool,
+) -> tuple:
+    """Trace the mods in plain Python and register them (Note [flexfa under torch.compile]).
+
+    Returns (key, paths to the score_mod's tensors, which input each of its slots reads (None: a
+    constant), paths to the mask_mod's tensors, lifted scalars)."""
+    device = torch.device(device_type)
+    score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
+    if score is not None and score.is_identity:
+        score = None
+    mask_fn, block_size = _mask_parts(block_mask)
+    mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
+    score_paths, score_inputs = _paths_for(score, score_mod)  # no paths for a bound mod
+    mask_paths, mask_inputs = _paths_for(mask, mask_fn)
+    for traced, inputs in ((score, score_inputs), (mask, mask_inputs)):
+        for cap, t, i in zip(
+            traced.captures if traced else (), traced.tensors if traced else (), inputs
+        ):
+            if i is None and t.requires_grad:
+                warnings.warn(
+                    f"flexfa: {traced.kind} {traced.name!r} captures {cap.name!r}, which "
+                    "torch.compile cannot reach from the mod (not a closure cell, global, "
+                    "default or attribute); it is a constant of the compiled graph and gets no "
+                    "gradient there",
+                    stacklevel=2,
+                )
+    described = Described(
+        heads=heads,
+        score=score,
+        mask=mask,
+        score_paths=score_paths,
+        mask_paths=mask_paths,
+        score_inputs=score_inputs,
+        mask_inputs=mask_inputs,
+        block_size=block_size,
+        backend=backend,
+        kernel_options=kernel_options,
+        deterministic=deterministic,
+        enable_gqa=enable_gqa,
+    )
+    constants = tuple(
+        id(t)
+        for traced, inputs in ((score, score_inputs), (mask, mask_inputs))
+        if traced is not None
+        for t, i in zip(traced.tensors, inputs)
+        if i is None
+    )
+    text = repr(
+        (
+            heads,
+            score.key if score else None,
+            mask.key if mask else None,
+            score_paths,
+            mask_paths,
+            constants,
+            block_size,
+            backend,
+            kernel_options,
+            deterministic,
+            enable_gqa,
+        )
+    )
+    key = hashlib.sha256(text.encode()).hexdigest()[:20]
+    with _lock:
+        _registry[key] = described
+    scalars = score.scalar_values if score is not None else ()
+    return key, score_paths, score_inputs, mask_paths, scalars
+
+
+def _lookup(key: str) -> Described:
+    try:
+        return _registry[key]
+    except KeyError:
+        raise RuntimeError(
+            f"flexfa: no compiled attention call with key {key!r} in this process; the graph was "
+            "made by another process (flexfa registers its mods while torch.compile traces)"
+        ) from None
+
+
+# -- the ops ------------------------------------------------------------------------------------------
+def _spec(
+    d: Described,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score: TracedMod | None,
+    mask: TracedMod | None,
+    scale: float,
+    needs_grad: bool,
+    grad_slots: frozenset[int],
+    max_scores: bool = False,
+) -> AttentionSpec:
+    B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
+    if mask is None:
+        from flexfa.blockmask.bind import _noop
+
+        mask = trace_mask_mod(_noop, device=q.device)
+    bm = cached_block_mask(mask, B, Hq, Lq, Lkv, q.device, d.block_size)
+    return AttentionSpec(
+        batch=B,
+        heads_q=Hq,
+        heads_kv=Hkv,
+        len_q=Lq,
+        len_kv=Lkv,
+        head_dim=E,
+        head_dim_v=Ev,
+        dtype=q.dtype,
+        device=q.device,
+        scale=scale,
+        score_mod=score,
+        block_mask=bm,
+        needs_grad=needs_grad,
+        deterministic=d.deterministic,
+        kernel_options=dict(d.kernel_options),
+        capture_grads=grad_slots if needs_grad else None,
+        max_scores=max_scores,
+    )
+
+
+def saved_dtype(backend: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype of the forward's saved output, or None where the output itself is saved.
+
+    Decided from the device and dtype alone, since the fake implementation must know it: the
+    tiled backend keeps a float32 output for float16/bfloat16 inputs (Note [Delta from the
+    unrounded output]); the Triton kernels save their output as it is.
+    """
+    if dtype in (torch.float32, torch.float64):
+        return None
+    triton = backend == "triton" or (backend == "auto" and device.type == "cuda")
+    return None if triton else torch.float32
+
+
+@torch.library.custom_op("flexfa::attention", mutates_args=())
+def attention_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_tensors: list[torch.Tensor],
+    mask_tensors: list[torch.Tensor],
+    scalars: list[float],
+    key: str,
+    scale: float,
+    grad_mask: int,
+    max_scores: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, lse, saved, max_scores): `saved` is empty unless the backward needs an unrounded
+    output, `max_scores` empty unless asked for.
+
+    Bit i of `grad_mask` says that the score_mod's captured tensor in slot i gets a gradient."""
+    d = _lookup(key)
+    score, mask = d.bind(score_tensors, mask_tensors, scalars, q)
+    spec = _spec(d, q, k, v, score, mask, scale, True, _slots(grad_mask), max_scores)
+    impl = backends.select(d.backend, spec)
+    out, lse, saved, row_max = impl.forward(spec, q, k, v)
+    want = saved_dtype(d.backend, q.device, q.dtype)
+    saved = q.new_empty(0) if want is None else saved.to(want)
+    return out, lse, saved, row_max.to(lse.dtype) if row_max is not None else lse.new_empty(0)
+
+
+@attention_op.register_fake
+def _(q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask, max_scores):
+    d = _lookup(key)
+    B, Hq, Lq = q.shape[0], q.shape[1], q.shape[2]
+    Ev = v.shape[3]
+    out = q.new_empty(B, Hq, Lq, Ev)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = q.new_empty(B, Hq, Lq, dtype=lse_dtype)
+    want = saved_dtype(d.backend, q.device, q.dtype)
+    saved = q.new_empty(0) if want is None else q.new_empty(B, Hq, Lq, Ev, dtype=want)
+    row_max = q.new_empty(B, Hq, Lq, dtype=lse_dtype) if max_scores else lse.new_empty(0)
+    return out, lse, saved, row_max
+
+
+@torch.library.custom_op("flexfa::attention_backward", mutates_args=())
+def attention_backward_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    saved: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    score_tensors: list[torch.Tensor],
+    mask_tensors: list[torch.Tensor],
+    scalars: list[float],
+    key: str,
+    scale: float,
+    grad_mask: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """(dq, dk, dv, gradients of the score_mod's captured tensors in `grad_mask`, by slot)."""
+    d = _lookup(key)
+    score, mask = d.bind(score_tensors, mask_tensors, scalars, q)
+    slots = _slots(grad_mask)
+    spec = _spec(d, q, k, v, score, mask, scale, True, slots)
+    impl = backends.select(d.backend, spec)
+    saved_out = out if saved.numel() == 0 else saved
+    dq, dk, dv, grads = impl.backward(spec, q, k, v, saved_out, lse, dout, dlse, slots)
+    tensors = score.tensors if score is not None else ()
+    capture_grads = [
+        grads[s] if s in grads else torch.zeros_like(tensors[s]) for s in sorted(slots)
+    ]
+    return dq, dk, dv, capture_grads
+
+
+@attention_backward_op.register_fake
+def _(q, k, v, out, saved, lse, dout, dlse, score_tensors, mask_tensors, scalars, key, scale, gm):
+    d = _lookup(key)
+    grads = []
+    for s in sorted(_slots(gm)):
+        i = d.score_inputs[s] if d.score is not None else None
+        like = score_tensors[i] if i is not None else d.score.tensors[s]  # type: ignore[union-attr]
+        grads.append(torch.empty_like(like))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), grads
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask, _ = inputs
+    out, lse, saved, row_max = output
+    ctx.mark_non_differentiable(row_max)
+    ctx.save_for_backward(q, k, v, out, saved, lse, *score_tensors, *mask_tensors)
+    ctx.num_score = len(score_tensors)
+    ctx.info = (list(scalars), key, scale, grad_mask)
+
+
+def _backward(ctx, dout, dlse, dsaved, dmax):
+    q, k, v, out, saved, lse, *tensors = ctx.saved_tensors
+    score_tensors, mask_tensors = tensors[: ctx.num_score], tensors[ctx.num_score :]
+    scalars, key, scale, grad_mask = ctx.info
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, grads = attention_backward_op(
+        q, k, v, out, saved, lse, dout.contiguous(), dlse, list(score_tensors),
+        list(mask_tensors), scalars, key, scale, grad_mask,
+    )  # fmt: skip
+    d = _lookup(key)
+    score_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
+    for slot, g in zip(sorted(_slots(grad_mask)), grads):
+        i = d.score_inputs[slot]
+        if i is not None:
+            score_grads[i] = g
+    mask_grads = [None] * len(mask_tensors)
+    # torch.library's autograd wants the inputs' structure back: a non-empty float list is one
+    # leaf (None), an empty one an empty list.
+    scalar_grads = None if scalars else []
+    return dq, dk, dv, score_grads, mask_grads, scalar_grads, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# -- the Dynamo-traced front -------------------------------------------------------------------------
+def compiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Any,
+    block_mask: Any,
+    *,
+    scale: float | None,
+    enable_gqa: bool,
+    backend: str,
+    kernel_options: Mapping[str, Any] | None,
+    deterministic: bool,
+    max_scores: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`flexfa.attention` while torch.compile traces: (out, lse, max_scores) from the ops above
+    (max_scores empty unless asked for)."""
+    options = tuple(sorted((kernel_options or {}).items()))
+    heads = None
+    if isinstance(score_mod, HeadsDependentMod):  # bound in the ops, per number of heads
+        heads, score_mod = score_mod._make, None
+    key, score_paths, score_inputs, mask_paths, scalars = _describe(
+        score_mod, heads, block_mask, q.device.type, backend, options,
+        bool(deterministic), bool(enable_gqa),
+    )  # fmt: skip
+    mask_root = _mask_root(block_mask)
+    score_tensors = [follow(score_mod, p) for p in score_paths]
+    mask_tensors = [follow(mask_root, p) for p in mask_paths]
+    grad_mask = 0
+    for slot, i in enumerate(score_inputs):
+        if i is not None and _needs_grad(score_tensors[i]):
+            grad_mask |= 1 << slot
+    out, lse, _, row_max = attention_op(
+        q, k, v, score_tensors, mask_tensors, list(scalars), key,
+        resolve_scale(scale, q.shape[-1]), grad_mask, max_scores,
+    )  # fmt: skip
+    return out, lse, row_max
+
+
+def _mask_root(block_mask: Any) -> Any:
+    if isinstance(block_mask, BlockMask):
+        return block_mask.mask.fn
+    if is_torch_block_mask(block_mask):
+        return block_mask.mask_mod
+    return block_mask
+
+
+def _slots(grad_mask: int) -> frozenset[int]:
+    return frozenset(i for i in range(grad_mask.bit_length()) if grad_mask >> i & 1)
+
+
+def _needs_grad(t: torch.Tensor) -> bool:
+    return t.requires_grad and t.dtype.is_floating_point and torch.is_grad_enabled()

@@ -1,0 +1,188 @@
+"""flexfa.attention inside torch.compile (Note [flexfa under torch.compile] in flexfa/compiled.py).
+
+CPU tests run the tiled backend with the `aot_eager` backend (AOTAutograd traces forward and
+backward through the ops' fake implementations and registered autograd, without Inductor's
+compile time). The GPU tests run the Triton backend under Inductor, also with CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._dynamo.testing
+
+import flexfa
+
+TABLE = torch.nn.Parameter(torch.randn(4, 65) * 0.1)
+
+
+def rel_bias(score, b, h, q_idx, kv_idx):
+    return score + TABLE[h, torch.clamp(q_idx - kv_idx, -32, 32) + 32]
+
+
+class Attention(torch.nn.Module):
+    """A block whose attention reads a learned relative-position table (a global nn.Parameter)."""
+
+    def __init__(self, dim: int = 16, backend: str = "auto") -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(dim, dim)
+        self.table = TABLE
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.proj(x)
+        return flexfa.attention(
+            q, x, x, score_mod=rel_bias, block_mask=flexfa.masks.causal, backend=self.backend
+        )
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor, fn) -> tuple[torch.Tensor, ...]:
+    for p in (*model.parameters(), x):
+        p.grad = None
+    out = fn(x)
+    (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return (out.detach(), x.grad.clone(), TABLE.grad.clone(), model.proj.weight.grad.clone())
+
+
+def test_fullgraph_forward_backward_with_a_captured_parameter(compiler="aot_eager"):
+    """(Inductor compiles the same graph in the GPU test; on the CPU it costs 45 s of CI.)"""
+    torch.manual_seed(0)
+    model = Attention()
+    x = torch.randn(1, 4, 40, 16, requires_grad=True)
+    counter = torch._dynamo.testing.CompileCounterWithBackend(compiler)
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    eager = _grads(model, x, model)
+    got = _grads(model, x, compiled)
+    for e, g in zip(eager, got):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    assert TABLE.grad.abs().sum() > 0  # the parameter got its gradient through the op
+    assert counter.frame_count == 1  # one graph: no graph break
+
+
+def test_no_recompile_over_training_steps():
+    """Optimizer steps change the parameter's values, not anything the graph depends on."""
+    torch.manual_seed(1)
+    model = Attention()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, fullgraph=True, backend=counter)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    x = torch.randn(1, 4, 24, 16)
+    for _ in range(4):
+        opt.zero_grad()
+        compiled(x).square().sum().backward()
+        opt.step()
+    assert counter.frame_count == 1
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "score_mod",
+    [rel_bias, flexfa.mods.alibi, flexfa.mods.softcap(20.0)],
+    ids=["rel_bias", "alibi", "softcap"],
+)
+def test_dynamic_sequence_lengths_one_graph(score_mod):
+    def f(q, k, v):
+        return flexfa.attention(q, k, v, score_mod=score_mod, block_mask=flexfa.masks.causal)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend=counter)
+    for length in (40, 57, 130):
+        q, k, v = (torch.randn(1, 4, length, 16, requires_grad=True) for _ in range(3))
+        out = compiled(q, k, v)
+        out.sum().backward()
+        dq = q.grad
+        q.grad = None
+        ref = f(q, k, v)
+        ref.sum().backward()
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(dq, q.grad, rtol=1e-5, atol=1e-6)
+    assert counter.frame_count == 1
+
+
+def test_return_lse_and_torch_block_mask_under_compile():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    torch_mask = create_block_mask(causal, None, None, 64, 64, device="cpu")
+    q, k, v = (torch.randn(1, 2, 64, 16) for _ in range(3))
+
+    def f(q, k, v):
+        return flexfa.attention(q, k, v, block_mask=torch_mask, return_lse=True)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out, lse = torch.compile(f, fullgraph=True, backend=counter)(q, k, v)
+    ref_out, ref_lse = flexfa.attention(q, k, v, block_mask=causal, return_lse=True)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    assert counter.frame_count == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_triton_backend_compiled_on_cuda(mode):
+    torch.manual_seed(2)
+    table = torch.nn.Parameter(torch.randn(8, 257, device="cuda") * 0.1)
+
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + table[h, torch.clamp(q_idx - kv_idx, -128, 128) + 128]
+
+    def f(q, k, v):
+        return flexfa.attention(q, k, v, score_mod=bias, block_mask=flexfa.masks.causal)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(f, fullgraph=True, mode=mode, backend=counter)
+    q, k, v = (
+        torch.randn(2, 8, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    opt = torch.optim.SGD([table], lr=0.1)
+    for _ in range(3):  # cudagraph trees warm up, record, then replay
+        opt.zero_grad()
+        out = compiled(q, k, v)
+        out.float().square().sum().backward()
+        opt.step()
+    opt.zero_grad()
+    q.grad = None
+    out = compiled(q, k, v)
+    out.float().square().sum().backward()
+    got = (out.detach().clone(), table.grad.clone(), q.grad.clone())
+    opt.zero_grad()
+    q.grad = None
+    ref = f(q, k, v)
+    ref.float().square().sum().backward()
+    assert counter.frame_count == 1
+    torch.testing.assert_close(got[0], ref.detach(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[1], table.grad, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got[2], q.grad, rtol=2e-2, atol=2e-2)
+
+
+class RelBias(torch.nn.Module):
+    """A score_mod that is a module of the model: its table is the module's parameter."""
+
+    def __init__(self, heads: int = 4) -> None:
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(heads, 65) * 0.1)
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.table[h, torch.clamp(q_idx - kv_idx, -32, 32) + 32]
+
+
+def test_a_module_as_score_mod_under_compile_gets_its_gradient():
+    torch.manual_seed(3)
+    bias = RelBias()
+    x = torch.randn(1, 4, 40, 16, requires_grad=True)
+
+    def f(x):
+        return flexfa.attention(x, x, x, score_mod=bias, block_mask=flexfa.masks.causal)
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    out = torch.compile(f, fullgraph=True, backend=counter)(x)
+    out.sum().backward()
+    got = bias.table.grad.clone()
+    bias.table.grad = None
+    f(x).sum().backward()
+    torch.testing.assert_close(got, bias.table.grad, rtol=1e-5, atol=1e-6)
+    assert got.abs().sum() > 0 and counter.frame_count == 1
