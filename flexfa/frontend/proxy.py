@@ -202,6 +202,18 @@ class Proxy:
     def __rxor__(self, o):
         return _binary(self._tracer, Op.XOR, o, self)
 
+    def __lshift__(self, o):
+        return _binary(self._tracer, Op.SHL, self, o)
+
+    def __rlshift__(self, o):
+        return _binary(self._tracer, Op.SHL, o, self)
+
+    def __rshift__(self, o):
+        return _binary(self._tracer, Op.SHR, self, o)
+
+    def __rrshift__(self, o):
+        return _binary(self._tracer, Op.SHR, o, self)
+
     def __lt__(self, o):
         return _binary(self._tracer, Op.LT, self, o)
 
@@ -268,7 +280,26 @@ class IndexedTensor:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        from flexfa.frontend import vector
+
+        if name in vector.VECTOR_METHODS or name in METHOD_NAMES:  # Note [Unrolled reductions]
+            return lambda *args, **kwargs: vector.dispatch(
+                self._tracer, name, (self, *args), kwargs
+            )
         self._incomplete()
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._tensor.shape[len(self._indices) :])
+
+
+def _vector_dunder(name: str):
+    def method(self, *args):
+        from flexfa.frontend import vector
+
+        return vector.dispatch(self._tracer, name, (self, *args), {})
+
+    return method
 
 
 for _dunder in [
@@ -292,6 +323,10 @@ for _dunder in [
     "__ror__",
     "__xor__",
     "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
     "__lt__",
     "__le__",
     "__gt__",
@@ -301,11 +336,14 @@ for _dunder in [
     "__neg__",
     "__abs__",
     "__invert__",
-    "__bool__",
-    "__float__",
-    "__int__",
-    "__index__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
 ]:
+    # Arithmetic on a partly indexed tensor works on its elements (Note [Unrolled reductions]).
+    setattr(IndexedTensor, _dunder, _vector_dunder(_dunder))
+for _dunder in ["__bool__", "__float__", "__int__", "__index__"]:
     setattr(IndexedTensor, _dunder, lambda self, *a, **k: self._incomplete())
 
 
@@ -313,7 +351,7 @@ def _find_tracer(args, kwargs) -> Tracer:
     stack = list(args) + list(kwargs.values())
     while stack:
         a = stack.pop()
-        if isinstance(a, (Proxy, IndexedTensor)):
+        if isinstance(a, (Proxy, IndexedTensor)) or getattr(type(a), "_flexfa_vector", False):
             return a._tracer
         if isinstance(a, (tuple, list)):
             stack.extend(a)
@@ -330,6 +368,8 @@ def lift(tracer: Tracer, value: Any) -> Node:
         return value._node
     if isinstance(value, IndexedTensor):
         value._incomplete()
+    if getattr(type(value), "_flexfa_vector", False):
+        return value.scalar_node()  # a vector of one element
     if isinstance(value, bool):
         return irb.const(value)
     if isinstance(value, numbers.Integral):
@@ -352,7 +392,35 @@ def _wrap(tracer: Tracer, node: Node) -> Proxy:
     return Proxy(tracer, node)
 
 
+def _is_vector(value: Any) -> bool:
+    return isinstance(value, IndexedTensor) or getattr(type(value), "_flexfa_vector", False)
+
+
+_OP_NAMES = {
+    Op.ADD: "add",
+    Op.SUB: "sub",
+    Op.MUL: "mul",
+    Op.TRUEDIV: "true_divide",
+    Op.FLOORDIV: "floor_divide",
+    Op.MOD: "remainder",
+    Op.POW: "pow",
+    Op.AND: "bitwise_and",
+    Op.OR: "bitwise_or",
+    Op.XOR: "bitwise_xor",
+    Op.SHL: "bitwise_left_shift",
+    Op.SHR: "bitwise_right_shift",
+    Op.LT: "lt",
+    Op.LE: "le",
+    Op.EQ: "eq",
+    Op.NE: "ne",
+}
+
+
 def _binary(tracer: Tracer, op: Op, a: Any, b: Any) -> Proxy:
+    if _is_vector(a) or _is_vector(b):  # Note [Unrolled reductions]
+        from flexfa.frontend import vector
+
+        return vector.dispatch(tracer, _OP_NAMES[op], (a, b), {})
     try:
         return _wrap(tracer, irb.binary(op, lift(tracer, a), lift(tracer, b)))
     except IRTypeError as e:
@@ -399,6 +467,8 @@ for _op, _names in {
     Op.AND: "logical_and bitwise_and __and__ __iand__",
     Op.OR: "logical_or bitwise_or __or__ __ior__",
     Op.XOR: "logical_xor bitwise_xor __xor__ __ixor__",
+    Op.SHL: "bitwise_left_shift __lshift__ __ilshift__",
+    Op.SHR: "bitwise_right_shift __rshift__ __irshift__",
 }.items():
     for _n in _names.split():
         _BINARY_NAMES[_n] = _op
@@ -422,6 +492,8 @@ _REFLECTED = {
     "__rand__": Op.AND,
     "__ror__": Op.OR,
     "__rxor__": Op.XOR,
+    "__rlshift__": Op.SHL,
+    "__rrshift__": Op.SHR,
 }
 _UNARY_NAMES: dict[str, Op] = {}
 for _op, _names in {
@@ -435,7 +507,8 @@ for _op, _names in {
     Op.SQRT: "sqrt",
     Op.RSQRT: "rsqrt",
     Op.TANH: "tanh",
-    Op.SIGMOID: "sigmoid",
+    Op.SIGMOID: "sigmoid expit special_expit",
+    Op.ERF: "erf special_erf",
     Op.SIN: "sin",
     Op.COS: "cos",
     Op.FLOOR: "floor",
@@ -465,6 +538,12 @@ def _unwrap_name(func: Any) -> str:
 def dispatch(tracer: Tracer, func: Any, args: tuple, kwargs: dict) -> Any:
     """Turn one torch call on traced values into IR."""
     name = _unwrap_name(func)
+    if any(_is_vector(a) for a in (*args, *kwargs.values())) and not (
+        name == "__getitem__" and isinstance(args[0], torch.Tensor)
+    ):
+        from flexfa.frontend import vector  # Note [Unrolled reductions]
+
+        return vector.dispatch(tracer, name, args, kwargs)
     try:
         return _dispatch(tracer, name, args, kwargs)
     except IRTypeError as e:
@@ -512,9 +591,8 @@ def _dispatch(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Any:
     if name == "reciprocal":
         x = L(args[0])
         return W(irb.div(irb.const(1.0), x))
-    if name == "relu":
-        x = L(args[0])
-        return W(irb.binary(Op.MAX, x, irb.const(0, x.dtype)))
+    if name in _ACTIVATIONS:
+        return W(_ACTIVATIONS[name](tracer, args, kwargs))
     if name == "log1p":
         return W(irb.unary(Op.LOG, irb.add(irb.const(1.0), L(args[0]))))
     if name == "expm1":
@@ -580,6 +658,189 @@ def _dispatch(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Any:
     raise AssertionError
 
 
+# Note [Activations]
+# torch.nn.functional's elementwise activations, written with the IR's operations exactly as torch
+# defines them (same constants, same branches, thresholds included), so they trace, differentiate
+# through the IR's autodiff and lower on every backend with no new kernel code. Only exact GELU
+# needs an op of its own (ERF).
+
+
+def _act_arg(args: tuple, kwargs: dict, i: int, key: str, default: float) -> float:
+    value = _arg(args, kwargs, i, key, default)
+    if isinstance(value, (Proxy, IndexedTensor, torch.Tensor)):
+        tracer = _find_tracer(args, kwargs)
+        tracer.fail(f"activation parameter {key!r} must be a Python number inside a mod")
+    return float(value)
+
+
+def _f(x: Node, value: float) -> Node:
+    return irb.fconst(value, x)
+
+
+def _float_arg(tracer: Tracer, value: Any) -> Node:
+    x = lift(tracer, value)
+    return x if x.dtype.is_float else irb.cast(x, DType.FLOAT32)
+
+
+def _relu(tracer, args, kwargs):
+    x = lift(tracer, args[0])
+    return irb.binary(Op.MAX, x, irb.const(0, x.dtype))
+
+
+def _silu(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.mul(x, irb.unary(Op.SIGMOID, x))
+
+
+def _gelu(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    approximate = _arg(args, kwargs, 1, "approximate", "none")
+    half_x = irb.mul(_f(x, 0.5), x)
+    if approximate == "none":
+        return irb.mul(half_x, irb.add(_f(x, 1.0), irb.unary(Op.ERF, irb.mul(x, _f(x, 0.5**0.5)))))
+    if approximate == "tanh":
+        inner = irb.add(x, irb.mul(_f(x, 0.044715), irb.mul(x, irb.mul(x, x))))
+        t = irb.unary(Op.TANH, irb.mul(_f(x, math.sqrt(2.0 / math.pi)), inner))
+        return irb.mul(half_x, irb.add(_f(x, 1.0), t))
+    tracer.fail(f"gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
+    raise AssertionError
+
+
+def _softplus_of(x: Node, beta: float, threshold: float) -> Node:
+    bx = irb.mul(x, _f(x, beta))
+    soft = irb.div(irb.unary(Op.LOG, irb.add(_f(x, 1.0), irb.unary(Op.EXP, bx))), _f(x, beta))
+    return irb.where(irb.binary(Op.LT, _f(x, threshold), bx), x, soft)
+
+
+def _softplus(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    beta = _act_arg(args, kwargs, 1, "beta", 1.0)
+    return _softplus_of(x, beta, _act_arg(args, kwargs, 2, "threshold", 20.0))
+
+
+def _elu_of(x: Node, alpha: float, scale: float = 1.0, input_scale: float = 1.0) -> Node:
+    neg = irb.mul(
+        _f(x, alpha), irb.sub(irb.unary(Op.EXP, irb.mul(x, _f(x, input_scale))), _f(x, 1.0))
+    )
+    out = irb.where(irb.binary(Op.LT, _f(x, 0.0), x), x, neg)
+    return out if scale == 1.0 else irb.mul(out, _f(x, scale))
+
+
+def _elu(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return _elu_of(x, _act_arg(args, kwargs, 1, "alpha", 1.0))
+
+
+def _celu(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    alpha = _act_arg(args, kwargs, 1, "alpha", 1.0)
+    return _elu_of(x, alpha, input_scale=1.0 / alpha)
+
+
+_SELU_ALPHA = 1.6732632423543772848170429916717
+_SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def _selu(tracer, args, kwargs):
+    return _elu_of(_float_arg(tracer, args[0]), _SELU_ALPHA, _SELU_SCALE)
+
+
+def _leaky_relu(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    slope = _act_arg(args, kwargs, 1, "negative_slope", 0.01)
+    return irb.where(irb.binary(Op.LT, _f(x, 0.0), x), x, irb.mul(x, _f(x, slope)))
+
+
+def _clamped(x: Node, lo: float, hi: float) -> Node:
+    return irb.binary(Op.MIN, irb.binary(Op.MAX, x, _f(x, lo)), _f(x, hi))
+
+
+def _hardtanh(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    lo = _act_arg(args, kwargs, 1, "min_val", -1.0)
+    return _clamped(x, lo, _act_arg(args, kwargs, 2, "max_val", 1.0))
+
+
+def _relu6(tracer, args, kwargs):
+    return _clamped(_float_arg(tracer, args[0]), 0.0, 6.0)
+
+
+def _hardsigmoid(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.div(_clamped(irb.add(x, _f(x, 3.0)), 0.0, 6.0), _f(x, 6.0))
+
+
+def _hardswish(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.div(irb.mul(x, _clamped(irb.add(x, _f(x, 3.0)), 0.0, 6.0)), _f(x, 6.0))
+
+
+def _mish(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.mul(x, irb.unary(Op.TANH, _softplus_of(x, 1.0, 20.0)))
+
+
+def _logsigmoid(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    # -softplus(-x), as min(x, 0) - log(1 + exp(-|x|)): finite for every x
+    tail = irb.unary(Op.LOG, irb.add(_f(x, 1.0), irb.unary(Op.EXP, irb.neg(irb.unary(Op.ABS, x)))))
+    return irb.sub(irb.binary(Op.MIN, x, _f(x, 0.0)), tail)
+
+
+def _softsign(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.div(x, irb.add(_f(x, 1.0), irb.unary(Op.ABS, x)))
+
+
+def _tanhshrink(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.sub(x, irb.unary(Op.TANH, x))
+
+
+def _softshrink(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    lam = _act_arg(args, kwargs, 1, "lambd", 0.5)
+    out = irb.where(irb.binary(Op.LT, _f(x, lam), x), irb.sub(x, _f(x, lam)), _f(x, 0.0))
+    return irb.where(irb.binary(Op.LT, x, _f(x, -lam)), irb.add(x, _f(x, lam)), out)
+
+
+def _hardshrink(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    lam = _act_arg(args, kwargs, 1, "lambd", 0.5)
+    keep = irb.binary(Op.OR, irb.binary(Op.LT, _f(x, lam), x), irb.binary(Op.LT, x, _f(x, -lam)))
+    return irb.where(keep, x, _f(x, 0.0))
+
+
+def _erfc(tracer, args, kwargs):
+    x = _float_arg(tracer, args[0])
+    return irb.sub(_f(x, 1.0), irb.unary(Op.ERF, x))
+
+
+_ACTIVATIONS: dict[str, Callable[[Tracer, tuple, dict], Node]] = {
+    "relu": _relu,
+    "silu": _silu,
+    "gelu": _gelu,
+    "softplus": _softplus,
+    "elu": _elu,
+    "celu": _celu,
+    "selu": _selu,
+    "leaky_relu": _leaky_relu,
+    "hardtanh": _hardtanh,
+    "relu6": _relu6,
+    "hardsigmoid": _hardsigmoid,
+    "hardswish": _hardswish,
+    "mish": _mish,
+    "logsigmoid": _logsigmoid,
+    "log_sigmoid": _logsigmoid,
+    "softsign": _softsign,
+    "tanhshrink": _tanhshrink,
+    "softshrink": _softshrink,
+    "hardshrink": _hardshrink,
+    "erfc": _erfc,
+    "special_erfc": _erfc,
+}
+
+
 def _constant_like(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Node:
     proto = lift(tracer, args[0])
     if name in ("ones_like", "new_ones"):
@@ -623,7 +884,7 @@ METHOD_NAMES = frozenset(
         "divide",
         "square",
         "reciprocal",
-        "relu",
+        *_ACTIVATIONS,
         "log1p",
         "expm1",
         "log10",
