@@ -722,3 +722,11 @@ METHOD_NAMES = frozenset(
         "detach",
     }
 )
+
+# Every torch function and tensor method name the tracer handles (docs/semantics.md lists them; a
+# test checks the two agree). Dunders (operators) are listed in the docs as operators.
+TRACEABLE_NAMES = frozenset(
+    n
+    for n in METHOD_NAMES | {"where", "ones_like", "zeros_like", "full_like", "squeeze"}
+    if not n.startswith("__")
+)
