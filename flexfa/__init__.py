@@ -17,6 +17,7 @@ from flexfa.blockmask.build import create_block_mask
 from flexfa.config import config
 from flexfa.export import export_source
 from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
+from flexfa.frontend.lowerings import register_lowering
 from flexfa.masks import and_masks, noop_mask, or_masks
 
 __version__ = "0.1.0"
@@ -38,6 +39,7 @@ __all__ = [
     "mods",
     "noop_mask",
     "or_masks",
+    "register_lowering",
     "trace_mask_mod",
     "trace_score_mod",
 ]

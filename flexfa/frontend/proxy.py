@@ -538,6 +538,14 @@ def _unwrap_name(func: Any) -> str:
 
 def dispatch(tracer: Tracer, func: Any, args: tuple, kwargs: dict) -> Any:
     """Turn one torch call on traced values into IR."""
+    from flexfa.frontend import lowerings
+
+    lowering = lowerings.lookup(func)
+    if lowering is not None:
+        return lowering(*args, **kwargs)
+    hint = lowerings.unregistered_op_hint(func)
+    if hint is not None:
+        tracer.fail(hint)
     name = _unwrap_name(func)
     if any(_is_vector(a) for a in (*args, *kwargs.values())) and not (
         name == "__getitem__" and isinstance(args[0], torch.Tensor)
