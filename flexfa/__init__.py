@@ -17,6 +17,7 @@ from flexfa.blockmask.build import create_block_mask
 from flexfa.config import config
 from flexfa.export import export_source
 from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
+from flexfa.frontend.lowerings import register_lowering
 from flexfa.masks import and_masks, noop_mask, or_masks
 from flexfa.merge import merge_attention
 from flexfa.paged import PagedKVCache
@@ -45,6 +46,7 @@ __all__ = [
     "mods",
     "noop_mask",
     "or_masks",
+    "register_lowering",
     "trace_mask_mod",
     "trace_score_mod",
 ]

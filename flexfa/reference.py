@@ -61,7 +61,10 @@ def apply_per_pair(
     for dims in _LEVELS:
         f = torch.func.vmap(f, in_dims=prefix + dims, out_dims=0)
     args = indices if score is None else [score, *indices]
-    return f(*args).expand(B, H, Lq, Lkv)
+    out = f(*args)
+    if out.ndim > 4 and all(n == 1 for n in out.shape[4:]):  # a mod returning shape [1] (or [1, 1])
+        out = out.reshape(out.shape[:4])
+    return out.expand(B, H, Lq, Lkv)
 
 
 def allowed_pairs(

@@ -22,6 +22,7 @@ from flexfa.blockmask.block_mask import TileState
 from flexfa.blockmask.exact import index_grids
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.evaluate import Evaluator
+from flexfa.layout import empty_like_query
 from flexfa.spec import AttentionSpec
 
 # Columns processed per step (a multiple of the KV block size is used).
@@ -215,7 +216,7 @@ def _forward(
     spec = plan.spec
     cd = plan.compute_dtype
     B, Hq, Lq = spec.batch, spec.heads_q, spec.len_q
-    out = torch.empty(B, Hq, Lq, spec.head_dim_v, dtype=cd, device=q.device)
+    out = empty_like_query(q, (B, Hq, Lq, spec.head_dim_v), cd)  # Note [Output layout]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = torch.empty(B, Hq, Lq, dtype=lse_dtype, device=q.device)
     max_scores = torch.empty(B, Hq, Lq, dtype=lse_dtype, device=q.device)

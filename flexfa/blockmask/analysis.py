@@ -277,7 +277,13 @@ def _independent(a: Sig, b: Sig) -> bool:
     return (a in q_side and b in kv_side) or (a in kv_side and b in q_side)
 
 
-_MONOTONE = {Op.EXP: torch.exp, Op.EXP2: torch.exp2, Op.TANH: torch.tanh, Op.SIGMOID: torch.sigmoid}
+_MONOTONE = {
+    Op.EXP: torch.exp,
+    Op.EXP2: torch.exp2,
+    Op.TANH: torch.tanh,
+    Op.SIGMOID: torch.sigmoid,
+    Op.ERF: torch.erf,
+}
 _LOG_LIKE = {Op.LOG: torch.log, Op.LOG2: torch.log2, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt}
 
 

@@ -148,9 +148,17 @@ def _check_given(
     bm: BlockMask, B: int, H: int, Lq: int, Lkv: int, device: torch.device
 ) -> BlockMask:
     if (bm.q_len, bm.kv_len) != (Lq, Lkv):
+        # torch's rule: the lengths must match exactly (Note [Block lists longer than the call]).
+        hint = (
+            "; for a query at position p against L keys use block_mask.resize(q_len=Lq, kv_len=L, "
+            "q_offset=p) (torch's block_mask._adjust crops to the top left: resize with q_offset=0)"
+            if Lq <= bm.q_len and Lkv <= bm.kv_len
+            else ""
+        )
         raise ValueError(
             f"block_mask was built for lengths (Q_LEN={bm.q_len}, KV_LEN={bm.kv_len}) but q/k have "
-            f"({Lq}, {Lkv}); build it for these lengths (or pass the mask_mod and let flexfa build it)"
+            f"({Lq}, {Lkv}); build it for these lengths (or pass the mask_mod and let flexfa build "
+            f"it){hint}"
         )
     if bm.batch not in (1, B):
         raise ValueError(f"block_mask has batch size {bm.batch}; expected 1 (broadcast) or {B}")

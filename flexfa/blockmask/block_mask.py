@@ -341,16 +341,22 @@ class BlockMask:
 
     # -- views ----------------------------------------------------------------------------------
     def __getitem__(self, index: int | slice | tuple[int | slice, ...]) -> BlockMask:
-        """The BlockMask of some batch elements and heads: `bm[b]`, `bm[b, h]`, `bm[:, 2:4]`.
+        """Some batch elements, heads and q-blocks: `bm[b]`, `bm[b, h]`, `bm[:, 2:4]`, `bm[:, :, i]`.
 
         Integer indices keep their dim (size 1). The mask is re-indexed too, so partial tiles
-        still evaluate `mask_mod` at the original batch element and head.
+        still evaluate `mask_mod` at the original batch element and head. A third index selects
+        q-block rows (an int or a slice of step 1): `bm[:, :, i]` is the BlockMask of query rows
+        `i * block_size.q` onwards (as many as the block holds), whose query row 0 is row
+        `i * block_size.q` of `bm`. For one decoding step at position p use
+        `bm.resize(q_len=1, kv_len=L, q_offset=p)`.
 
         >>> import torch, flexfa
         >>> doc = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 1]])
         >>> bm = flexfa.create_block_mask(flexfa.masks.document(doc), 2, None, 4, 4, BLOCK_SIZE=2)
         >>> bm[1].shape, bm[1].tile_states().tolist()
         ((1, 1, 4, 4), [[[[1, 1], [1, 2]]]])
+        >>> bm[:, :, 1].shape, bm[:, :, 1].tile_states().tolist()
+        ((2, 1, 2, 4), [[[[0, 2]]], [[[1, 2]]]])
         """
         from flexfa.blockmask.transform import select
 

@@ -50,17 +50,38 @@ def _as_list(count: object, index: object, what: str) -> BlockList:
     return BlockList(count.to(torch.int32), index.to(torch.int32))
 
 
+# Note [Block lists longer than the call]
+# torch's rule (flex_attention in torch 2.13): a call's (Q_LEN, KV_LEN) must equal the BlockMask's
+# `seq_lengths`, but its lists may describe more: the usual decoding recipe slices the rows of a
+# mask built for the whole sequence (`block_mask[:, :, i]`) and sets `seq_lengths = (1, KV_LEN)`, and
+# a mask's lists may name KV blocks past KV_LEN (torch's kernels mask keys past KV_LEN). So the rows
+# past the q-blocks of Q_LEN are ignored, and so are listed KV blocks at or past the KV-blocks of
+# KV_LEN but within the lists' width; too few rows, or a block index that is negative or past both,
+# is an error.
+
+
+def _first_rows(bl: BlockList, rows: int) -> BlockList:
+    if bl.count.shape[2] == rows:
+        return bl
+    return BlockList(bl.count[:, :, :rows], bl.index[:, :, :rows])
+
+
 def _dense(bl: BlockList, num_kv_blocks: int, what: str) -> torch.Tensor:
     width = bl.index.shape[-1]
     if bool(((bl.count < 0) | (bl.count > width)).any()):
         raise ValueError(f"{what}_num_blocks must lie in [0, {width}] (the width of the indices)")
     listed = torch.arange(width, device=bl.index.device) < bl.count[..., None]
-    bad = listed & ((bl.index < 0) | (bl.index >= num_kv_blocks))
-    if bool(bad.any()):
+    limit = max(width, num_kv_blocks)
+    if bool((listed & ((bl.index < 0) | (bl.index >= limit))).any()):
         raise ValueError(
-            f"{what}_indices lists a KV block outside [0, {num_kv_blocks}) for these lengths"
+            f"{what}_indices lists a KV block outside [0, {limit}) (the KV blocks of these lengths "
+            "or the width of the lists)"
         )
-    return bl.dense(num_kv_blocks)
+    # Keys past KV_LEN never attend (Note [Block lists longer than the call]): such blocks and the
+    # unused entries go to a spare column, dropped after.
+    idx = torch.where(listed & (bl.index < num_kv_blocks), bl.index.long(), num_kv_blocks)
+    out = torch.zeros(*idx.shape[:-1], num_kv_blocks + 1, dtype=torch.bool, device=idx.device)
+    return out.scatter_(-1, idx, True)[..., :num_kv_blocks]
 
 
 def _check_lengths(seq_lengths: object) -> tuple[int, int]:
@@ -99,11 +120,15 @@ def from_kv_blocks(
         q_len, kv_len = _check_lengths(seq_lengths)
     nq, nkv = -(-q_len // block_size.q), -(-kv_len // block_size.kv)
     for name, bl in (("kv", partial), ("full_kv", full)):
-        if bl is not None and bl.count.shape[2] != nq:
+        if bl is not None and bl.count.shape[2] < nq:
             raise ValueError(
                 f"{name}_indices has {bl.count.shape[2]} rows, but Q_LEN={q_len} with q block "
-                f"{block_size.q} has {nq} q-blocks"
+                f"{block_size.q} needs {nq} q-blocks; give seq_lengths for the rows the lists "
+                "cover (a mask sliced to rows i: (rows * q block, KV_LEN) or less)"
             )
+    # Lists may cover more than seq_lengths (Note [Block lists longer than the call]).
+    partial = _first_rows(partial, nq)
+    full = _first_rows(full, nq) if full is not None else None
     partial_dense = _dense(partial, nkv, "kv")
     states = partial_dense.to(torch.int8) * int(TileState.PARTIAL)
     if full is not None:

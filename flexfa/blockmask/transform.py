@@ -90,12 +90,11 @@ def _dim_index(index: object, stored: int, var: str, reads: bool) -> tuple[slice
 def select(bm: BlockMask, index: object) -> BlockMask:
     """See `BlockMask.__getitem__`."""
     parts = index if isinstance(index, tuple) else (index,)
-    if len(parts) > 2:
+    if len(parts) > 3:
         raise IndexError(
-            "a BlockMask is indexed by batch and head only: bm[b] or bm[b, h]; use resize() "
-            "for other query rows"
+            "a BlockMask is indexed by batch, head and q-block: bm[b], bm[b, h] or bm[b, h, i]"
         )
-    parts = (*parts, slice(None), slice(None))[:2]
+    parts = (*parts, slice(None), slice(None), slice(None))[:3]
     variables = bm.mask.variables
     sel_b, map_b = _dim_index(parts[0], bm.batch, "b", "b" in variables)
     sel_h, map_h = _dim_index(parts[1], bm.heads, "h", "h" in variables)
@@ -103,13 +102,46 @@ def select(bm: BlockMask, index: object) -> BlockMask:
     def cut(bl: BlockList) -> BlockList:
         return BlockList(bl.count[sel_b, sel_h].contiguous(), bl.index[sel_b, sel_h].contiguous())
 
-    return dataclasses.replace(
+    selected = dataclasses.replace(
         bm,
         kv_partial=cut(bm.kv_partial),
         kv_full=cut(bm.kv_full),
         q_partial=cut(bm.q_partial),
         q_full=cut(bm.q_full),
         mask=remap(bm.mask, b=map_b, h=map_h),
+    )
+    if parts[2] == slice(None):
+        return selected
+    return _select_rows(selected, parts[2])
+
+
+def _select_rows(bm: BlockMask, index: object) -> BlockMask:
+    """The q-block rows `index` (an int or a slice of step 1) of `bm`, as a BlockMask of their query
+    rows: query row 0 of the result is row `first * block_size.q` of `bm` (Note [Remapped masks])."""
+    n = bm.num_q_blocks
+    if isinstance(index, bool) or not isinstance(index, (int, slice)):
+        raise TypeError(
+            f"a BlockMask's q-blocks are selected with an int or a slice, got {index!r}"
+        )
+    if isinstance(index, int):
+        first = index + n if index < 0 else index
+        if not 0 <= first < n:
+            raise IndexError(f"q-block index {index} is out of range for {n} q-blocks")
+        stop = first + 1
+    else:
+        first, stop, step = index.indices(n)
+        if step != 1 or stop <= first:
+            raise ValueError(f"q-block slices must be non-empty with step 1, got {index}")
+    bq = bm.block_size.q
+    q_len = min(bm.q_len, stop * bq) - first * bq
+    states = bm.tile_states()[:, :, first:stop].contiguous()
+    return BlockMask.from_tile_states(
+        states,
+        q_len=q_len,
+        kv_len=bm.kv_len,
+        block_size=bm.block_size,
+        mask=remap(bm.mask, q_offset=first * bq),
+        tiles_from_mask=bm.tiles_from_mask,
     )
 
 

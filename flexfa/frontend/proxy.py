@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flexfa.frontend.activations import ACTIVATIONS
 from flexfa.ir import build as irb
 from flexfa.ir.build import IRTypeError
 from flexfa.ir.dtypes import DType
@@ -202,6 +203,18 @@ class Proxy:
     def __rxor__(self, o):
         return _binary(self._tracer, Op.XOR, o, self)
 
+    def __lshift__(self, o):
+        return _binary(self._tracer, Op.SHL, self, o)
+
+    def __rlshift__(self, o):
+        return _binary(self._tracer, Op.SHL, o, self)
+
+    def __rshift__(self, o):
+        return _binary(self._tracer, Op.SHR, self, o)
+
+    def __rrshift__(self, o):
+        return _binary(self._tracer, Op.SHR, o, self)
+
     def __lt__(self, o):
         return _binary(self._tracer, Op.LT, self, o)
 
@@ -268,7 +281,26 @@ class IndexedTensor:
     def __getattr__(self, name):
         if name.startswith("_"):
             raise AttributeError(name)
+        from flexfa.frontend import vector
+
+        if name in vector.VECTOR_METHODS or name in METHOD_NAMES:  # Note [Unrolled reductions]
+            return lambda *args, **kwargs: vector.dispatch(
+                self._tracer, name, (self, *args), kwargs
+            )
         self._incomplete()
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(self._tensor.shape[len(self._indices) :])
+
+
+def _vector_dunder(name: str):
+    def method(self, *args):
+        from flexfa.frontend import vector
+
+        return vector.dispatch(self._tracer, name, (self, *args), {})
+
+    return method
 
 
 for _dunder in [
@@ -292,6 +324,10 @@ for _dunder in [
     "__ror__",
     "__xor__",
     "__rxor__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
     "__lt__",
     "__le__",
     "__gt__",
@@ -301,11 +337,14 @@ for _dunder in [
     "__neg__",
     "__abs__",
     "__invert__",
-    "__bool__",
-    "__float__",
-    "__int__",
-    "__index__",
+    "__lshift__",
+    "__rlshift__",
+    "__rshift__",
+    "__rrshift__",
 ]:
+    # Arithmetic on a partly indexed tensor works on its elements (Note [Unrolled reductions]).
+    setattr(IndexedTensor, _dunder, _vector_dunder(_dunder))
+for _dunder in ["__bool__", "__float__", "__int__", "__index__"]:
     setattr(IndexedTensor, _dunder, lambda self, *a, **k: self._incomplete())
 
 
@@ -313,7 +352,7 @@ def _find_tracer(args, kwargs) -> Tracer:
     stack = list(args) + list(kwargs.values())
     while stack:
         a = stack.pop()
-        if isinstance(a, (Proxy, IndexedTensor)):
+        if isinstance(a, (Proxy, IndexedTensor)) or getattr(type(a), "_flexfa_vector", False):
             return a._tracer
         if isinstance(a, (tuple, list)):
             stack.extend(a)
@@ -330,6 +369,8 @@ def lift(tracer: Tracer, value: Any) -> Node:
         return value._node
     if isinstance(value, IndexedTensor):
         value._incomplete()
+    if getattr(type(value), "_flexfa_vector", False):
+        return value.scalar_node()  # a vector of one element
     if isinstance(value, bool):
         return irb.const(value)
     if isinstance(value, numbers.Integral):
@@ -352,7 +393,35 @@ def _wrap(tracer: Tracer, node: Node) -> Proxy:
     return Proxy(tracer, node)
 
 
+def _is_vector(value: Any) -> bool:
+    return isinstance(value, IndexedTensor) or getattr(type(value), "_flexfa_vector", False)
+
+
+_OP_NAMES = {
+    Op.ADD: "add",
+    Op.SUB: "sub",
+    Op.MUL: "mul",
+    Op.TRUEDIV: "true_divide",
+    Op.FLOORDIV: "floor_divide",
+    Op.MOD: "remainder",
+    Op.POW: "pow",
+    Op.AND: "bitwise_and",
+    Op.OR: "bitwise_or",
+    Op.XOR: "bitwise_xor",
+    Op.SHL: "bitwise_left_shift",
+    Op.SHR: "bitwise_right_shift",
+    Op.LT: "lt",
+    Op.LE: "le",
+    Op.EQ: "eq",
+    Op.NE: "ne",
+}
+
+
 def _binary(tracer: Tracer, op: Op, a: Any, b: Any) -> Proxy:
+    if _is_vector(a) or _is_vector(b):  # Note [Unrolled reductions]
+        from flexfa.frontend import vector
+
+        return vector.dispatch(tracer, _OP_NAMES[op], (a, b), {})
     try:
         return _wrap(tracer, irb.binary(op, lift(tracer, a), lift(tracer, b)))
     except IRTypeError as e:
@@ -399,6 +468,8 @@ for _op, _names in {
     Op.AND: "logical_and bitwise_and __and__ __iand__",
     Op.OR: "logical_or bitwise_or __or__ __ior__",
     Op.XOR: "logical_xor bitwise_xor __xor__ __ixor__",
+    Op.SHL: "bitwise_left_shift __lshift__ __ilshift__",
+    Op.SHR: "bitwise_right_shift __rshift__ __irshift__",
 }.items():
     for _n in _names.split():
         _BINARY_NAMES[_n] = _op
@@ -422,6 +493,8 @@ _REFLECTED = {
     "__rand__": Op.AND,
     "__ror__": Op.OR,
     "__rxor__": Op.XOR,
+    "__rlshift__": Op.SHL,
+    "__rrshift__": Op.SHR,
 }
 _UNARY_NAMES: dict[str, Op] = {}
 for _op, _names in {
@@ -435,7 +508,8 @@ for _op, _names in {
     Op.SQRT: "sqrt",
     Op.RSQRT: "rsqrt",
     Op.TANH: "tanh",
-    Op.SIGMOID: "sigmoid",
+    Op.SIGMOID: "sigmoid expit special_expit",
+    Op.ERF: "erf special_erf",
     Op.SIN: "sin",
     Op.COS: "cos",
     Op.FLOOR: "floor",
@@ -464,7 +538,21 @@ def _unwrap_name(func: Any) -> str:
 
 def dispatch(tracer: Tracer, func: Any, args: tuple, kwargs: dict) -> Any:
     """Turn one torch call on traced values into IR."""
+    from flexfa.frontend import lowerings
+
+    lowering = lowerings.lookup(func)
+    if lowering is not None:
+        return lowering(*args, **kwargs)
+    hint = lowerings.unregistered_op_hint(func)
+    if hint is not None:
+        tracer.fail(hint)
     name = _unwrap_name(func)
+    if any(_is_vector(a) for a in (*args, *kwargs.values())) and not (
+        name == "__getitem__" and isinstance(args[0], torch.Tensor)
+    ):
+        from flexfa.frontend import vector  # Note [Unrolled reductions]
+
+        return vector.dispatch(tracer, name, args, kwargs)
     try:
         return _dispatch(tracer, name, args, kwargs)
     except IRTypeError as e:
@@ -512,9 +600,8 @@ def _dispatch(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Any:
     if name == "reciprocal":
         x = L(args[0])
         return W(irb.div(irb.const(1.0), x))
-    if name == "relu":
-        x = L(args[0])
-        return W(irb.binary(Op.MAX, x, irb.const(0, x.dtype)))
+    if name in ACTIVATIONS:
+        return W(ACTIVATIONS[name](tracer, args, kwargs))
     if name == "log1p":
         return W(irb.unary(Op.LOG, irb.add(irb.const(1.0), L(args[0]))))
     if name == "expm1":
@@ -623,7 +710,7 @@ METHOD_NAMES = frozenset(
         "divide",
         "square",
         "reciprocal",
-        "relu",
+        *ACTIVATIONS,
         "log1p",
         "expm1",
         "log10",
@@ -642,4 +729,12 @@ METHOD_NAMES = frozenset(
         "clone",
         "detach",
     }
+)
+
+# Every torch function and tensor method name the tracer handles (docs/semantics.md lists them; a
+# test checks the two agree). Dunders (operators) are listed in the docs as operators.
+TRACEABLE_NAMES = frozenset(
+    n
+    for n in METHOD_NAMES | {"where", "ones_like", "zeros_like", "full_like", "squeeze"}
+    if not n.startswith("__")
 )

@@ -84,6 +84,13 @@ def _grad_rules(n: Node, g: Node) -> list[Node | None]:
         return [irb.mul(g, irb.sub(f(1.0), irb.mul(n, n)))]
     if op is Op.SIGMOID:
         return [irb.mul(g, irb.mul(n, irb.sub(f(1.0), n)))]
+    if op is Op.ERF:  # d erf(x) = 2 / sqrt(pi) * exp(-x^2)
+        x = s[0]
+        return [
+            irb.mul(
+                g, irb.mul(f(2.0 / math.sqrt(math.pi)), irb.unary(Op.EXP, irb.neg(irb.mul(x, x))))
+            )
+        ]
     if op is Op.SIN:
         return [irb.mul(g, irb.unary(Op.COS, s[0]))]
     if op is Op.COS:

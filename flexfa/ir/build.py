@@ -14,6 +14,7 @@ from flexfa.ir.nodes import (
     ARITH_BINARY_OPS,
     COMPARE_OPS,
     LOGIC_OPS,
+    SHIFT_OPS,
     UNARY_FLOAT_OPS,
     VAR_TYPES,
     Capture,
@@ -126,6 +127,14 @@ def binary(op: Op, a: Node, b: Node) -> Node:
             )
         if a.dtype.is_bool and b.dtype.is_bool:
             return Node(op, DType.BOOL, (a, b))
+        t = promote(a.dtype, b.dtype)
+        return Node(op, t, (cast(a, t), cast(b, t)))
+    if op in SHIFT_OPS:
+        if not (a.dtype.is_int and b.dtype.is_int):
+            raise IRTypeError(
+                f"{'<<' if op is Op.SHL else '>>'} needs integer operands, got {a.dtype!r} and "
+                f"{b.dtype!r}"
+            )
         t = promote(a.dtype, b.dtype)
         return Node(op, t, (cast(a, t), cast(b, t)))
     if op in COMPARE_OPS:

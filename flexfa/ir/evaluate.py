@@ -32,6 +32,7 @@ _UNARY = {
     Op.RSQRT: torch.rsqrt,
     Op.TANH: torch.tanh,
     Op.SIGMOID: torch.sigmoid,
+    Op.ERF: torch.erf,
     Op.SIN: torch.sin,
     Op.COS: torch.cos,
     Op.FLOOR: torch.floor,
@@ -52,6 +53,8 @@ _BINARY = {
     Op.LE: torch.le,
     Op.EQ: torch.eq,
     Op.NE: torch.ne,
+    Op.SHL: torch.bitwise_left_shift,
+    Op.SHR: torch.bitwise_right_shift,
 }
 
 

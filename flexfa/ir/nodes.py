@@ -44,6 +44,7 @@ class Op(enum.Enum):
     RSQRT = "rsqrt"
     TANH = "tanh"
     SIGMOID = "sigmoid"
+    ERF = "erf"
     SIN = "sin"
     COS = "cos"
     FLOOR = "floor"
@@ -66,6 +67,8 @@ class Op(enum.Enum):
     AND = "and"
     OR = "or"
     XOR = "xor"
+    SHL = "shl"  # integer shifts; >> is arithmetic (sign-filling), as torch's
+    SHR = "shr"
     # Ternary.
     WHERE = "where"
 
@@ -80,6 +83,7 @@ UNARY_FLOAT_OPS = frozenset(
         Op.RSQRT,
         Op.TANH,
         Op.SIGMOID,
+        Op.ERF,
         Op.SIN,
         Op.COS,
     }
@@ -90,7 +94,8 @@ ARITH_BINARY_OPS = frozenset(
 )
 COMPARE_OPS = frozenset({Op.LT, Op.LE, Op.EQ, Op.NE})
 LOGIC_OPS = frozenset({Op.AND, Op.OR, Op.XOR})
-BINARY_OPS = ARITH_BINARY_OPS | COMPARE_OPS | LOGIC_OPS
+SHIFT_OPS = frozenset({Op.SHL, Op.SHR})
+BINARY_OPS = ARITH_BINARY_OPS | COMPARE_OPS | LOGIC_OPS | SHIFT_OPS
 COMMUTATIVE_OPS = frozenset({Op.ADD, Op.MUL, Op.MIN, Op.MAX, Op.EQ, Op.NE, Op.AND, Op.OR, Op.XOR})
 
 # The parameters a mod receives. `score` exists only in score_mods.

@@ -25,6 +25,8 @@ _INFIX = {
     Op.AND: "&",
     Op.OR: "|",
     Op.XOR: "^",
+    Op.SHL: "<<",
+    Op.SHR: ">>",
 }
 
 

@@ -11,6 +11,7 @@ from flexfa.ir.nodes import (
     ARITH_BINARY_OPS,
     COMPARE_OPS,
     LOGIC_OPS,
+    SHIFT_OPS,
     UNARY_FLOAT_OPS,
     VAR_TYPES,
     Capture,
@@ -98,6 +99,9 @@ def _check_node(node: Node) -> None:
     elif op in LOGIC_OPS:
         if len(srcs) != 2 or any(s.dtype is not t for s in srcs) or t.is_float:
             _fail(node, "logic op needs two bool/int operands of its type")
+    elif op in SHIFT_OPS:
+        if len(srcs) != 2 or any(s.dtype is not t for s in srcs) or not t.is_int:
+            _fail(node, "shift needs two integer operands of its type")
     elif op is Op.WHERE:
         if len(srcs) != 3 or not srcs[0].dtype.is_bool:
             _fail(node, "where needs a bool condition")

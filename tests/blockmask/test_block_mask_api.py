@@ -187,7 +187,7 @@ def test_indexing_a_broadcast_dim_keeps_it() -> None:
 @pytest.mark.parametrize(
     ("index", "error"),
     [
-        ((0, 0, 0), IndexError),
+        ((0, 0, 0, 0), IndexError),  # batch, head and q-block at most
         (5, IndexError),
         ("a", TypeError),
         (slice(None, None, -1), ValueError),

@@ -143,14 +143,14 @@ def test_score_mod_given_a_mask_mod():
 
 
 def test_unsupported_operation_in_a_mod():
-    def gelu_bias(score, b, h, q_idx, kv_idx):
-        return torch.nn.functional.gelu(score)
+    def lgamma_bias(score, b, h, q_idx, kv_idx):
+        return torch.lgamma(score)
 
     raises(
         TypeError,
-        r"score_mod 'gelu_bias': torch.gelu cannot be traced",
+        r"score_mod 'lgamma_bias': torch.lgamma cannot be traced",
         *qkv(),
-        score_mod=gelu_bias,
+        score_mod=lgamma_bias,
     )
 
 

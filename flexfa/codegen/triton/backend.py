@@ -30,6 +30,7 @@ from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
 from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
+from flexfa.layout import empty_like_query
 from flexfa.spec import AttentionSpec
 
 log = logging.getLogger("flexfa")
@@ -333,8 +334,8 @@ class Launcher:
 
     def forward(self, q, k, v, score_tensors):
         spec = self.spec
-        out = torch.empty(
-            spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v, dtype=q.dtype, device=q.device
+        out = empty_like_query(  # Note [Output layout]
+            q, (spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v)
         )
         lse = torch.empty(
             spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device

@@ -68,6 +68,7 @@ _UNARY_FN = {
     Op.RSQRT: "tl.rsqrt",
     Op.TANH: "flexfa_tanh",
     Op.SIGMOID: "tl.sigmoid",
+    Op.ERF: "tl.math.erf",
     Op.SIN: "tl.sin",
     Op.COS: "tl.cos",
     Op.FLOOR: "tl.floor",
@@ -87,6 +88,8 @@ _INFIX = {
     Op.AND: "&",
     Op.OR: "|",
     Op.XOR: "^",
+    Op.SHL: "<<",
+    Op.SHR: ">>",  # arithmetic on signed integers, as torch's
 }
 
 # Which helper functions (in templates/prelude.py) a body may call.

@@ -1,0 +1,92 @@
+"""User-registered lowerings of custom ops, so that mods may call them.
+
+A `torch.library.custom_op` is opaque to flexfa's tracer: it sees only its name. Registering a
+lowering tells flexfa what the op computes, written with operations the tracer takes (docs/
+semantics.md), e.g. a fast tanh approximation for soft-capping:
+
+>>> import torch, flexfa
+>>> @torch.library.custom_op("flexfa_doc::fast_tanh", mutates_args=())
+... def fast_tanh(x: torch.Tensor) -> torch.Tensor:
+...     return torch.tanh(x)
+>>> @flexfa.register_lowering(fast_tanh)
+... def _(x):
+...     return torch.tanh(x)
+>>> def softcap(score, b, h, q_idx, kv_idx):
+...     return 30.0 * fast_tanh(score / 30.0)
+>>> q = k = v = torch.randn(1, 1, 16, 16)
+>>> flexfa.attention(q, k, v, score_mod=softcap).shape
+torch.Size([1, 1, 16, 16])
+
+The lowering is traced like the rest of the mod, so it runs on every backend and has gradients
+(derived from the lowering, not from the op's own autograd formula). It is called with the op's
+arguments (traced values and Python values) and must return one traced value.
+
+# Note [Lowerings and the trace cache]
+# Traced mods are cached. Registering (or replacing) a lowering clears that cache, so a mod traced
+# before the registration is traced again with the new lowering on its next use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+_LOWERINGS: dict[str, Callable[..., Any]] = {}
+
+
+def op_name(op: Any) -> str | None:
+    """The qualified name (`namespace::name`) of a custom op, an OpOverload or a packet, or None."""
+    qualname = getattr(op, "_qualname", None)  # torch.library.custom_op's CustomOpDef
+    if isinstance(qualname, str):
+        return qualname
+    packet_name = getattr(op, "_qualified_op_name", None)  # torch.ops.ns.op
+    if isinstance(packet_name, str):
+        return packet_name
+    schema = getattr(op, "_schema", None)  # torch.ops.ns.op.default
+    if schema is not None:
+        return schema.name
+    return None
+
+
+def register_lowering(op: Any, lowering: Callable[..., Any] | None = None):
+    """Register how flexfa traces calls of the custom op `op` inside mods (see the module docs).
+
+    Usable as `register_lowering(op, fn)` or as a decorator `@register_lowering(op)`.
+    """
+    name = op_name(op)
+    if name is None:
+        raise TypeError(
+            "register_lowering expects a torch.library.custom_op or a torch.ops operator, got "
+            f"{type(op).__name__}"
+        )
+
+    def register(fn: Callable[..., Any]) -> Callable[..., Any]:
+        if not callable(fn):
+            raise TypeError(f"the lowering of {name} must be callable, got {type(fn).__name__}")
+        _LOWERINGS[name] = fn
+        from flexfa.frontend.cache import traces
+
+        traces.clear()  # Note [Lowerings and the trace cache]
+        return fn
+
+    return register(lowering) if lowering is not None else register
+
+
+def lookup(func: Any) -> Callable[..., Any] | None:
+    """The registered lowering for a function the tracer was asked to trace, if any."""
+    if not _LOWERINGS:
+        return None
+    name = op_name(func)
+    return _LOWERINGS.get(name) if name is not None else None
+
+
+def unregistered_op_hint(func: Any) -> str | None:
+    """An error message for a custom op without a lowering."""
+    name = op_name(func)
+    if name is None:
+        return None
+    return (
+        f"the custom op {name} has no flexfa lowering; register one with "
+        f"flexfa.register_lowering(op, fn), fn written with operations listed in docs/semantics.md "
+        f"(it runs on every backend: tiled, triton)"
+    )

@@ -1,0 +1,46 @@
+"""The memory layout of outputs: the output follows q's (as torch FlexAttention's does).
+
+# Note [Output layout]
+# torch FlexAttention gives `out` the stride order of `q`: for q viewed from a (B, L, H, E) tensor
+# with `transpose(1, 2)`, out is (B, L, H, Ev) in memory too, so the usual `out.transpose(1, 2)
+# .reshape(B, L, H * Ev)` that follows is free. flexfa uses the same rule: dims are filled from the
+# smallest stride of q to the largest (equal strides keep the inner dim inner), and the head dim is
+# moved innermost if that rule would not put it there (kernels write rows of the head dim).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fill_order(strides: tuple[int, ...]) -> list[int]:
+    """Dims from innermost to outermost by stride (ties: the later dim is the inner one)."""
+    outer_first = sorted(range(len(strides)), key=lambda d: strides[d], reverse=True)
+    return list(reversed(outer_first))
+
+
+def _strides(shape: tuple[int, ...], order: list[int]) -> list[int]:
+    strides = [0] * len(shape)
+    step = 1
+    for dim in order:
+        strides[dim] = step
+        step *= shape[dim]
+    return strides
+
+
+def empty_like_query(
+    q: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """An uninitialized tensor of `shape` (q's, with another head dim) in q's stride order.
+
+    >>> q = torch.randn(2, 5, 3, 8).transpose(1, 2)  # (B, H, L, E) over a (B, L, H, E) buffer
+    >>> empty_like_query(q, (2, 3, 5, 16)).transpose(1, 2).is_contiguous()
+    True
+    """
+    order = fill_order(q.stride())
+    strides = _strides(shape, order)
+    last = len(shape) - 1
+    if strides[last] != 1:
+        order.remove(last)
+        strides = _strides(shape, [last, *order])
+    return torch.empty_strided(shape, strides, dtype=dtype or q.dtype, device=q.device)
