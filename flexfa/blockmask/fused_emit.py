@@ -68,9 +68,14 @@ class _Emitter:
         self.lines.append(line)
 
     def _truth(self, v: str, t: str, f: str, both: str) -> _T:
-        self._out(f"{v}_t = {t}")
-        self._out(f"{v}_f = {f}")
-        self._out(f"{v}_b = {both}")
+        # Note [Scalar truths in the interpreter]: Triton's interpreter (3.9) gives a comparison
+        # of float64 scalars (bounds that depend on b and h only) a float64 type, and widens it
+        # to float64 values when it meets a tile (`tile | scalar` then fails). `tl.where(x, True,
+        # False)` is an int1 of the same value in both the interpreter and compiled code (where
+        # it folds away).
+        self._out(f"{v}_t = tl.where({t}, True, False)")
+        self._out(f"{v}_f = tl.where({f}, True, False)")
+        self._out(f"{v}_b = tl.where({both}, True, False)")
         return _T(v)
 
     def _step(self, v: str, step: Step) -> _T | _I:

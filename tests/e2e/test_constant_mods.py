@@ -77,6 +77,10 @@ MASK_MODS = {
     "per head": lambda b, h, q, kv: (h == 0) | (kv == kv),
     "per row": lambda b, h, q, kv: q % 3 != 1,
     "kv != kv (False)": lambda b, h, q, kv: kv != kv,
+    # A tile of truths or'ed with a per-head one (Note [Scalar truths in the interpreter]).
+    "tile | per head": lambda b, h, q, kv: (
+        (q % 7 - 3 >= torch.clamp(kv, -1, 5)) | ((h == 11) & (h > 2))
+    ),
 }
 
 PROBLEM = Problem(batch=1, heads_q=2, heads_kv=1, len_q=19, len_kv=23, head_dim=16, head_dim_v=24)
