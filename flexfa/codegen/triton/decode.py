@@ -446,7 +446,7 @@ def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple
     else:
         page_args = [lse, 0, lse]  # never read
     score_args = (
-        emit.capture_values(tuple(t.contiguous() for t in spec.score_mod.tensors))
+        emit.mod_values(spec.score_mod, tuple(t.contiguous() for t in spec.score_mod.tensors))
         if spec.score_mod is not None
         else []
     )
