@@ -294,16 +294,9 @@ class IndexedTensor:
         return torch.Size(self._tensor.shape[len(self._indices) :])
 
 
-def _vector_dunder(name: str):
-    def method(self, *args):
-        from flexfa.frontend import vector
-
-        return vector.dispatch(self._tracer, name, (self, *args), {})
-
-    return method
-
-
-for _dunder in [
+# The operator dunders a vector value (VectorProxy, or a partly indexed IndexedTensor) answers by
+# working on its elements (Note [Unrolled reductions]).
+ELEMENTWISE_DUNDERS = (
     "__add__",
     "__radd__",
     "__sub__",
@@ -337,13 +330,23 @@ for _dunder in [
     "__neg__",
     "__abs__",
     "__invert__",
-    "__lshift__",
-    "__rlshift__",
-    "__rshift__",
-    "__rrshift__",
-]:
+)
+
+
+def vector_dunder(name: str):
+    """The method `name` of a vector value: flexfa.frontend.vector.dispatch on its elements."""
+
+    def method(self, *args):
+        from flexfa.frontend import vector
+
+        return vector.dispatch(self._tracer, name, (self, *args), {})
+
+    return method
+
+
+for _dunder in ELEMENTWISE_DUNDERS:
     # Arithmetic on a partly indexed tensor works on its elements (Note [Unrolled reductions]).
-    setattr(IndexedTensor, _dunder, _vector_dunder(_dunder))
+    setattr(IndexedTensor, _dunder, vector_dunder(_dunder))
 for _dunder in ["__bool__", "__float__", "__int__", "__index__"]:
     setattr(IndexedTensor, _dunder, lambda self, *a, **k: self._incomplete())
 

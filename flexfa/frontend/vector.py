@@ -111,49 +111,8 @@ class VectorProxy:
         return dispatch(self._tracer, "__getitem__", (self, index), {})
 
 
-def _op_dunder(name: str):
-    def method(self, *args):
-        return dispatch(self._tracer, name, (self, *args), {})
-
-    return method
-
-
-for _name in [
-    "__add__",
-    "__radd__",
-    "__sub__",
-    "__rsub__",
-    "__mul__",
-    "__rmul__",
-    "__truediv__",
-    "__rtruediv__",
-    "__floordiv__",
-    "__rfloordiv__",
-    "__mod__",
-    "__rmod__",
-    "__pow__",
-    "__rpow__",
-    "__and__",
-    "__rand__",
-    "__or__",
-    "__ror__",
-    "__xor__",
-    "__rxor__",
-    "__lshift__",
-    "__rlshift__",
-    "__rshift__",
-    "__rrshift__",
-    "__lt__",
-    "__le__",
-    "__gt__",
-    "__ge__",
-    "__eq__",
-    "__ne__",
-    "__neg__",
-    "__abs__",
-    "__invert__",
-]:
-    setattr(VectorProxy, _name, _op_dunder(_name))
+for _name in px.ELEMENTWISE_DUNDERS:
+    setattr(VectorProxy, _name, px.vector_dunder(_name))
 VectorProxy.__pos__ = lambda self: self  # type: ignore[attr-defined]
 
 
