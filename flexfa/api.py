@@ -15,7 +15,7 @@ from flexfa.compiled import compiled_attention
 from flexfa.frontend.trace import TracedMod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.paged import validate_paged
-from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
+from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 from flexfa.varlen import packed_mods, packing
 
 try:  # torch's own types where the installed torch has them, so results compare equal
@@ -188,13 +188,12 @@ def build_spec(
     """Validate a call's arguments, trace its mods and bind its block mask."""
     paged = None
     if page_table is None and kv_lens is None:
-        B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=enable_gqa)
+        shape = validate_qkv(q, k, v, enable_gqa=enable_gqa)
     elif page_table is None or kv_lens is None:
         raise ValueError("a paged call needs both page_table and kv_lens")
     else:
-        (B, Hq, Hkv, Lq, Lkv, E, Ev), paged = validate_paged(
-            q, k, v, page_table, kv_lens, enable_gqa=enable_gqa
-        )
+        shape, paged = validate_paged(q, k, v, page_table, kv_lens, enable_gqa=enable_gqa)
+    B, Hq, _, Lq, Lkv, E, _ = shape
     if kernel_options is not None and not isinstance(kernel_options, Mapping):
         raise TypeError(
             f"kernel_options must be a dict or None, got {type(kernel_options).__name__}"
@@ -212,16 +211,9 @@ def build_spec(
             "paged KV caches are for inference: call under torch.no_grad(), or with q, the pools "
             "and captured tensors not requiring grad"
         )
-    return AttentionSpec(
-        batch=B,
-        heads_q=Hq,
-        heads_kv=Hkv,
-        len_q=Lq,
-        len_kv=Lkv,
-        head_dim=E,
-        head_dim_v=Ev,
-        dtype=q.dtype,
-        device=q.device,
+    return spec_from_shape(
+        shape,
+        q,
         scale=resolve_scale(scale, E),
         score_mod=traced_score,
         block_mask=bm,

@@ -53,7 +53,7 @@ from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torc
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.mods import HeadsDependentMod
-from flexfa.spec import AttentionSpec, resolve_scale, validate_qkv
+from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 
 Path = tuple[tuple[str, Any], ...]
 _MAX_DEPTH = 5
@@ -334,22 +334,16 @@ def _spec(
     grad_slots: frozenset[int],
     max_scores: bool = False,
 ) -> AttentionSpec:
-    B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
+    shape = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
+    B, Hq, _, Lq, Lkv, _, _ = shape
     if mask is None:
         from flexfa.blockmask.bind import _noop
 
         mask = trace_mask_mod(_noop, device=q.device)
     bm = cached_block_mask(mask, B, Hq, Lq, Lkv, q.device, d.block_size)
-    return AttentionSpec(
-        batch=B,
-        heads_q=Hq,
-        heads_kv=Hkv,
-        len_q=Lq,
-        len_kv=Lkv,
-        head_dim=E,
-        head_dim_v=Ev,
-        dtype=q.dtype,
-        device=q.device,
+    return spec_from_shape(
+        shape,
+        q,
         scale=scale,
         score_mod=score,
         block_mask=bm,

@@ -89,9 +89,7 @@ class AttentionSpec:
         return self.score_mod.grad_slots()
 
 
-def validate_qkv(
-    q: object, k: object, v: object, *, enable_gqa: bool
-) -> tuple[int, int, int, int, int, int, int]:
+def validate_qkv(q: object, k: object, v: object, *, enable_gqa: bool) -> QKVShape:
     """Check q, k, v; returns (B, Hq, Hkv, Lq, Lkv, E, Ev). Raises ValueError/TypeError naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -157,6 +155,31 @@ def validate_qkv(
 # its K/V tile, like the query heads of a GQA group, so the sum stays in registers). score_mod and
 # mask_mod see the query's batch index b. torch additionally requires a block mask of batch B in
 # this case; flexfa also accepts one of batch 1 (or none).
+
+
+QKVShape = tuple[int, int, int, int, int, int, int]
+
+
+def spec_from_shape(shape: QKVShape, q: torch.Tensor, **fields: Any) -> AttentionSpec:
+    """The AttentionSpec of a call whose q, k, v `validate_qkv` (or `validate_paged`) checked.
+
+    `shape` is what the check returned, (B, Hq, Hkv, Lq, Lkv, E, Ev); dtype and device come from
+    `q`; `fields` gives the rest (scale, score_mod, block_mask, needs_grad, ...). The eager and the
+    compiled paths both build their specs here.
+    """
+    B, Hq, Hkv, Lq, Lkv, E, Ev = shape
+    return AttentionSpec(
+        batch=B,
+        heads_q=Hq,
+        heads_kv=Hkv,
+        len_q=Lq,
+        len_kv=Lkv,
+        head_dim=E,
+        head_dim_v=Ev,
+        dtype=q.dtype,
+        device=q.device,
+        **fields,
+    )
 
 
 def resolve_scale(scale: object, head_dim: int) -> float:
