@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -13,25 +12,13 @@ import flexfa
 from flexfa.codegen.cute import emit
 from flexfa.codegen.cute import module as cmodule
 from flexfa.frontend import trace_mask_mod, trace_score_mod
+from tests.codegen import common
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def _golden_cases():
-    table = torch.zeros(8, 33, requires_grad=True)
-
-    def relative_bias(score, b, h, q_idx, kv_idx):
-        return score + table[h, torch.clamp(q_idx - kv_idx, -16, 16) + 16]
-
-    doc = torch.zeros(2, 64, dtype=torch.int32)
-    return {
-        "alibi_causal": (flexfa.mods.alibi.bind(8), flexfa.masks.causal),
-        "relative_bias_prefix_lm": (relative_bias, flexfa.masks.prefix_lm(100)),
-        "softcap_document": (
-            flexfa.mods.softcap(30.0),
-            flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(doc)),
-        ),
-    }
+    return common.golden_cases(prefix_lm=flexfa.masks.prefix_lm(100))
 
 
 def _render(score_mod, mask_mod) -> str:
@@ -45,11 +32,7 @@ def test_golden_generated_source(name):
     """The generated module, byte for byte. After an intended change, regenerate with
     FLEXFA_UPDATE_GOLDEN=1 pytest tests/codegen/cute -k golden, and review the diff."""
     src = _render(*_golden_cases()[name])
-    path = GOLDEN / f"{name}.py.txt"
-    if os.environ.get("FLEXFA_UPDATE_GOLDEN"):
-        path.write_text(src)
-    assert path.exists(), f"no golden file {path.name}; run with FLEXFA_UPDATE_GOLDEN=1"
-    assert src == path.read_text(), f"generated source for {name} changed; see the docstring"
+    common.check_golden(src, GOLDEN / f"{name}.py.txt", name)
 
 
 def test_generated_module_is_valid_python_with_fa4_signatures():

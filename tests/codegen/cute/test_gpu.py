@@ -8,7 +8,6 @@ Skipped without CUDA (and without flash-attn-4). Run on a GPU machine with
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,6 +17,16 @@ from flexfa import masks as fm
 from flexfa import mods as fmods
 from flexfa.backends.fa4 import missing_package
 from flexfa.reference import reference_attention
+from tests.codegen import common
+from tests.codegen.common import (
+    alibi_causal,
+    causal,
+    document_causal,
+    empty_rows,
+    no_mask,
+    relative_bias,
+    softcap_window,
+)
 from tests.tolerance import ThreeWay
 
 pytestmark = [
@@ -27,37 +36,12 @@ pytestmark = [
 
 
 @dataclasses.dataclass(frozen=True)
-class GpuCase:
-    name: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    len_q: int
-    len_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    build: Callable  # (case, device) -> (score_mod | None, mask_mod | None, learnable params)
+class GpuCase(common.GpuCase):
     lowering: str  # the mask lowering the backend must choose
     block_sparse: bool = False  # kernel_options={"block_sparse": True}
 
     def __str__(self) -> str:
-        return (
-            f"{self.name}-B{self.batch}-H{self.heads_q}/{self.heads_kv}-L{self.len_q}x{self.len_kv}"
-            f"-D{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
-            + ("-sparse" if self.block_sparse else "")
-        )
-
-
-def _causal(case, dev):
-    return None, fm.causal, ()
-
-
-def _alibi_causal(case, dev):
-    return fmods.alibi.bind(case.heads_q), fm.causal, ()
-
-
-def _softcap_window(case, dev):
-    return fmods.softcap(20.0), fm.sliding_window(300), ()
+        return super().__str__() + ("-sparse" if self.block_sparse else "")
 
 
 def _bidirectional_window(case, dev):
@@ -70,20 +54,6 @@ def _prefix_lm(case, dev):
 
 def _dilated(case, dev):
     return None, fm.dilated_sliding_window(256, 3), ()
-
-
-def _document_causal(case, dev):
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(50, 700, (64,), generator=g)
-    ids = torch.repeat_interleave(torch.arange(64), lengths)[: case.len_q]
-    ids = torch.stack([ids, ids.roll(37)]).sort(-1).values[: case.batch].to(dev)
-    return None, fm.and_masks(fm.causal, fm.document(ids)), ()
-
-
-def _relative_bias(case, dev):
-    g = torch.Generator().manual_seed(4)
-    table = (0.5 * torch.randn(case.heads_q, 2 * 256 + 1, generator=g)).to(dev).requires_grad_()
-    return fmods.relative_bias(table), fm.causal, (table,)
 
 
 def _key_bias(case, dev):
@@ -99,38 +69,29 @@ def _key_bias(case, dev):
     return key_bias, None, (bias, temp)
 
 
-def _no_mask(case, dev):
-    return None, None, ()
-
-
-def _empty_rows(case, dev):
-    # Rows below 100 see nothing: output 0, LSE -inf, zero gradients.
-    return None, lambda b, h, q, kv: (q >= 100) & (kv <= q), ()
-
-
 bf16, f16 = torch.bfloat16, torch.float16
 CASES = [
-    GpuCase("causal", 2, 4, 4, 1024, 1024, 64, bf16, _causal, "causal"),
-    GpuCase("causal", 1, 2, 2, 1000, 1000, 128, f16, _causal, "causal"),
+    GpuCase("causal", 2, 4, 4, 1024, 1024, 64, bf16, causal, "causal"),
+    GpuCase("causal", 1, 2, 2, 1000, 1000, 128, f16, causal, "causal"),
     # Lq > Lkv: top-left causal is FA4's window with a right bound; Lq < Lkv: not native.
-    GpuCase("alibi_causal", 1, 8, 2, 2048, 1536, 128, bf16, _alibi_causal, "window"),
-    GpuCase("causal", 1, 4, 4, 700, 1300, 64, bf16, _causal, "mask_mod"),
-    GpuCase("softcap_window", 1, 4, 4, 4096, 4096, 128, bf16, _softcap_window, "window"),
+    GpuCase("alibi_causal", 1, 8, 2, 2048, 1536, 128, bf16, alibi_causal, "window"),
+    GpuCase("causal", 1, 4, 4, 700, 1300, 64, bf16, causal, "mask_mod"),
+    GpuCase("softcap_window", 1, 4, 4, 4096, 4096, 128, bf16, softcap_window, "window"),
     GpuCase("bidirectional_window", 1, 2, 2, 1111, 1111, 64, bf16, _bidirectional_window, "window"),
     GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod"),
     GpuCase("dilated", 1, 2, 2, 1024, 1024, 64, f16, _dilated, "mask_mod"),
-    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, _document_causal, "mask_mod"),
-    GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, bf16, _relative_bias, "causal"),
-    GpuCase("relative_bias", 1, 4, 2, 1000, 1000, 64, bf16, _relative_bias, "causal"),
+    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod"),
+    GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, bf16, relative_bias, "causal"),
+    GpuCase("relative_bias", 1, 4, 2, 1000, 1000, 64, bf16, relative_bias, "causal"),
     GpuCase("key_bias", 2, 4, 4, 513, 777, 64, bf16, _key_bias, "full"),
-    GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, _no_mask, "full"),
-    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, _empty_rows, "mask_mod"),
-    GpuCase("causal", 1, 2, 2, 1024, 1024, 256, bf16, _causal, "causal"),
+    GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, no_mask, "full"),
+    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod"),
+    GpuCase("causal", 1, 2, 2, 1024, 1024, 256, bf16, causal, "causal"),
     # FA4's block-sparse lists from the BlockMask (opt-in, Note [Block-sparse lists for FA4]).
-    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, _document_causal, "mask_mod", True),
+    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod", True),
     GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod", True),
     GpuCase("dilated", 1, 2, 2, 1024, 1024, 128, f16, _dilated, "mask_mod", True),
-    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, _empty_rows, "mask_mod", True),
+    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod", True),
 ]
 
 

@@ -18,6 +18,7 @@ import flexfa
 from flexfa.codegen.triton import module as tmodule
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey, ModuleKey
 from flexfa.frontend import trace_mask_mod, trace_score_mod
+from tests.codegen import common
 
 GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[3]
@@ -199,20 +200,7 @@ def test_cli_export_writes_the_module(tmp_path):
 
 
 def _golden_cases():
-    table = torch.zeros(8, 33, requires_grad=True)
-
-    def relative_bias(score, b, h, q_idx, kv_idx):
-        return score + table[h, torch.clamp(q_idx - kv_idx, -16, 16) + 16]
-
-    doc = torch.zeros(2, 64, dtype=torch.int32)
-    return {
-        "alibi_causal": (flexfa.mods.alibi.bind(8), flexfa.masks.causal),
-        "relative_bias_sliding_window": (relative_bias, flexfa.masks.sliding_window(256)),
-        "softcap_document": (
-            flexfa.mods.softcap(30.0),
-            flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(doc)),
-        ),
-    }
+    return common.golden_cases(sliding_window=flexfa.masks.sliding_window(256))
 
 
 @pytest.mark.parametrize("name", sorted(_golden_cases()))
@@ -221,11 +209,7 @@ def test_golden_generated_source(name):
     FLEXFA_UPDATE_GOLDEN=1 pytest tests/codegen/triton -k golden, and review the diff."""
     score_mod, mask_mod = _golden_cases()[name]
     src = flexfa.export_source(score_mod, mask_mod)
-    path = GOLDEN / f"{name}.py.txt"
-    if os.environ.get("FLEXFA_UPDATE_GOLDEN"):
-        path.write_text(src)
-    assert path.exists(), f"no golden file {path.name}; run with FLEXFA_UPDATE_GOLDEN=1"
-    assert src == path.read_text(), f"generated source for {name} changed; see the module docstring"
+    common.check_golden(src, GOLDEN / f"{name}.py.txt", name, "see the module docstring")
 
 
 _COMPILE_CHILD = textwrap.dedent(

@@ -5,9 +5,6 @@ Skipped without CUDA. Run on a GPU machine with `pytest -q -m gpu tests/codegen/
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -15,6 +12,16 @@ import flexfa
 from flexfa import masks as fm
 from flexfa import mods as fmods
 from flexfa.reference import reference_attention
+from tests.codegen.common import (
+    GpuCase,
+    alibi_causal,
+    causal,
+    document_causal,
+    empty_rows,
+    no_mask,
+    relative_bias,
+    softcap_window,
+)
 from tests.e2e.layouts import LAYOUTS, relayout
 from tests.e2e.layouts import cycled as layouts_cycled
 from tests.tolerance import ThreeWay
@@ -22,70 +29,16 @@ from tests.tolerance import ThreeWay
 pytestmark = pytest.mark.gpu
 
 
-@dataclasses.dataclass(frozen=True)
-class GpuCase:
-    name: str
-    batch: int
-    heads_q: int
-    heads_kv: int
-    len_q: int
-    len_kv: int
-    head_dim: int
-    dtype: torch.dtype
-    build: Callable  # (case, device) -> (score_mod | None, mask_mod | None, learnable params)
-
-    def __str__(self) -> str:
-        return (
-            f"{self.name}-B{self.batch}-H{self.heads_q}/{self.heads_kv}-L{self.len_q}x{self.len_kv}"
-            f"-D{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
-        )
-
-
-def _causal(case, dev):
-    return None, fm.causal, ()
-
-
-def _alibi_causal(case, dev):
-    return fmods.alibi.bind(case.heads_q), fm.causal, ()
-
-
-def _softcap_window(case, dev):
-    return fmods.softcap(20.0), fm.sliding_window(300), ()
-
-
-def _document_causal(case, dev):
-    g = torch.Generator().manual_seed(3)
-    lengths = torch.randint(50, 700, (64,), generator=g)
-    ids = torch.repeat_interleave(torch.arange(64), lengths)[: case.len_q]
-    ids = torch.stack([ids, ids.roll(37)]).sort(-1).values[: case.batch].to(dev)
-    return None, fm.and_masks(fm.causal, fm.document(ids)), ()
-
-
-def _relative_bias(case, dev):
-    g = torch.Generator().manual_seed(4)
-    table = (0.5 * torch.randn(case.heads_q, 2 * 256 + 1, generator=g)).to(dev).requires_grad_()
-    return fmods.relative_bias(table), fm.causal, (table,)
-
-
-def _no_mask(case, dev):
-    return None, None, ()
-
-
-def _empty_rows(case, dev):
-    # Rows below 100 see nothing: output 0, LSE -inf, zero gradients.
-    return None, lambda b, h, q, kv: (q >= 100) & (kv <= q), ()
-
-
 CASES = [
-    GpuCase("causal", 2, 4, 4, 1024, 1024, 64, torch.bfloat16, _causal),
-    GpuCase("causal", 1, 2, 2, 1000, 1000, 128, torch.float16, _causal),
-    GpuCase("alibi_causal", 1, 8, 2, 2048, 1536, 128, torch.bfloat16, _alibi_causal),
-    GpuCase("softcap_window", 1, 4, 4, 4096, 4096, 80, torch.bfloat16, _softcap_window),
-    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, torch.bfloat16, _document_causal),
-    GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, torch.bfloat16, _relative_bias),
-    GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, torch.float32, _no_mask),
-    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, torch.bfloat16, _empty_rows),
-    GpuCase("causal", 1, 1, 1, 16384, 16384, 64, torch.bfloat16, _causal),
+    GpuCase("causal", 2, 4, 4, 1024, 1024, 64, torch.bfloat16, causal),
+    GpuCase("causal", 1, 2, 2, 1000, 1000, 128, torch.float16, causal),
+    GpuCase("alibi_causal", 1, 8, 2, 2048, 1536, 128, torch.bfloat16, alibi_causal),
+    GpuCase("softcap_window", 1, 4, 4, 4096, 4096, 80, torch.bfloat16, softcap_window),
+    GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, torch.bfloat16, document_causal),
+    GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, torch.bfloat16, relative_bias),
+    GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, torch.float32, no_mask),
+    GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, torch.bfloat16, empty_rows),
+    GpuCase("causal", 1, 1, 1, 16384, 16384, 64, torch.bfloat16, causal),
 ]
 
 
