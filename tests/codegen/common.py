@@ -1,5 +1,5 @@
 """What the CuTe and Triton code-generation tests share: the GPU test cases and their mod
-builders, and the golden snapshots of generated modules."""
+builders and their check against the reference, and the golden snapshots of generated modules."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ import torch
 import flexfa
 from flexfa import masks as fm
 from flexfa import mods as fmods
+from flexfa.reference import reference_attention
+from tests.tolerance import ThreeWay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +36,50 @@ class GpuCase:
             f"{self.name}-B{self.batch}-H{self.heads_q}/{self.heads_kv}-L{self.len_q}x{self.len_kv}"
             f"-D{self.head_dim}-{str(self.dtype).removeprefix('torch.')}"
         )
+
+    @property
+    def gqa(self) -> bool:
+        return self.heads_q != self.heads_kv
+
+    def qkv(self, dev) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Random q, k, v of this case's shapes, requiring grad."""
+        shape_q = (self.batch, self.heads_q, self.len_q, self.head_dim)
+        shape_kv = (self.batch, self.heads_kv, self.len_kv, self.head_dim)
+        q = torch.randn(shape_q, device=dev, dtype=self.dtype, requires_grad=True)
+        k = torch.randn(shape_kv, device=dev, dtype=self.dtype, requires_grad=True)
+        v = torch.randn(shape_kv, device=dev, dtype=self.dtype, requires_grad=True)
+        return q, k, v
+
+
+def check_against_reference(case, q, k, v, score_mod, mask_mod, params, out, lse) -> None:
+    """The kernel's `out` and `lse` for `case`, and the gradients a random dO gives q, k, v and
+    the learnable `params`, against the float64 reference and the reference in the case's dtype
+    (three-way rule); rows that see nothing (case "empty_rows", rows below 100) give output 0,
+    LSE -inf and zero gradients; every gradient is finite."""
+    do = torch.randn_like(out)
+    inputs = (q, k, v, *params)
+    grads = torch.autograd.grad(out, inputs, do)
+
+    check = ThreeWay(case.dtype, context=str(case))
+    for dtype, label in ((torch.float64, "ref"), (case.dtype, "eager")):
+        o, l = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=case.gqa, dtype=dtype)
+        g = torch.autograd.grad(o, inputs, do.to(o.dtype))
+        if label == "ref":
+            ref = (o, l, g)
+        else:
+            eager = (o, l, g)
+    check("out", out, eager[0], ref[0])
+    check("lse", lse, eager[1].float(), ref[1], atol=1e-3)
+    names = ("dq", "dk", "dv", *(f"dparam{i}" for i in range(len(params))))
+    for name, a, e, r in zip(names, grads, eager[2], ref[2]):
+        check(name, a, e, r)
+    check.assert_ok()
+    if case.name == "empty_rows":
+        assert torch.isneginf(lse[:, :, :100]).all()
+        assert (out[:, :, :100] == 0).all()
+        assert (grads[0][:, :, :100] == 0).all()
+    for g in grads:
+        assert torch.isfinite(g).all()
 
 
 # -- mod builders of GpuCase: (case, device) -> (score_mod, mask_mod, learnable params) ----------

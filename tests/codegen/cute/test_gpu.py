@@ -103,12 +103,8 @@ def test_fa4_matches_reference_on_gpu(case: GpuCase) -> None:
     dev = "cuda"
     torch.manual_seed(0)
     score_mod, mask_mod, params = case.build(case, dev)
-    shape_q = (case.batch, case.heads_q, case.len_q, case.head_dim)
-    shape_kv = (case.batch, case.heads_kv, case.len_kv, case.head_dim)
-    q = torch.randn(shape_q, device=dev, dtype=case.dtype, requires_grad=True)
-    k = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
-    v = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
-    gqa = case.heads_q != case.heads_kv
+    q, k, v = case.qkv(dev)
+    gqa = case.gqa
     options = {"block_sparse": True} if case.block_sparse else None
     spec = build_spec(q, k, v, score_mod, mask_mod, enable_gqa=gqa, kernel_options=options)
     call = make_call(spec)
@@ -125,30 +121,7 @@ def test_fa4_matches_reference_on_gpu(case: GpuCase) -> None:
         backend="fa4",
         kernel_options=options,
     )
-    do = torch.randn_like(out)
-    inputs = (q, k, v, *params)
-    grads = torch.autograd.grad(out, inputs, do)
-
-    check = ThreeWay(case.dtype, context=str(case))
-    for dtype, label in ((torch.float64, "ref"), (case.dtype, "eager")):
-        o, l = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=gqa, dtype=dtype)
-        g = torch.autograd.grad(o, inputs, do.to(o.dtype))
-        if label == "ref":
-            ref = (o, l, g)
-        else:
-            eager = (o, l, g)
-    check("out", out, eager[0], ref[0])
-    check("lse", lse, eager[1].float(), ref[1], atol=1e-3)
-    names = ("dq", "dk", "dv", *(f"dparam{i}" for i in range(len(params))))
-    for name, a, e, r in zip(names, grads, eager[2], ref[2]):
-        check(name, a, e, r)
-    check.assert_ok()
-    if case.name == "empty_rows":
-        assert torch.isneginf(lse[:, :, :100]).all()
-        assert (out[:, :, :100] == 0).all()
-        assert (grads[0][:, :, :100] == 0).all()
-    for g in grads:
-        assert torch.isfinite(g).all()
+    common.check_against_reference(case, q, k, v, score_mod, mask_mod, params, out, lse)
 
 
 def test_lse_gradient_on_gpu() -> None:

@@ -16,6 +16,7 @@ from tests.codegen.common import (
     GpuCase,
     alibi_causal,
     causal,
+    check_against_reference,
     document_causal,
     empty_rows,
     no_mask,
@@ -47,38 +48,12 @@ def test_triton_matches_reference_on_gpu(case: GpuCase) -> None:
     dev = "cuda"
     torch.manual_seed(0)
     score_mod, mask_mod, params = case.build(case, dev)
-    shape_q = (case.batch, case.heads_q, case.len_q, case.head_dim)
-    shape_kv = (case.batch, case.heads_kv, case.len_kv, case.head_dim)
-    q = torch.randn(shape_q, device=dev, dtype=case.dtype, requires_grad=True)
-    k = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
-    v = torch.randn(shape_kv, device=dev, dtype=case.dtype, requires_grad=True)
-    gqa = case.heads_q != case.heads_kv
+    q, k, v = case.qkv(dev)
+    gqa = case.gqa
     out, lse = flexfa.attention(
         q, k, v, score_mod, mask_mod, enable_gqa=gqa, return_lse=True, backend="triton"
     )
-    do = torch.randn_like(out)
-    inputs = (q, k, v, *params)
-    grads = torch.autograd.grad(out, inputs, do)
-
-    check = ThreeWay(case.dtype, context=str(case))
-    for dtype, label in ((torch.float64, "ref"), (case.dtype, "eager")):
-        o, l = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=gqa, dtype=dtype)
-        g = torch.autograd.grad(o, inputs, do.to(o.dtype))
-        if label == "ref":
-            ref = (o, l, g)
-        else:
-            eager = (o, l, g)
-    check("out", out, eager[0], ref[0])
-    check("lse", lse, eager[1].float(), ref[1], atol=1e-3)
-    for name, a, e, r in zip(("dq", "dk", "dv", "dparam"), grads, eager[2], ref[2]):
-        check(name, a, e, r)
-    check.assert_ok()
-    if case.name == "empty_rows":
-        assert torch.isneginf(lse[:, :, :100]).all()
-        assert (out[:, :, :100] == 0).all()
-        assert (grads[0][:, :, :100] == 0).all()
-    for g in grads:
-        assert torch.isfinite(g).all()
+    check_against_reference(case, q, k, v, score_mod, mask_mod, params, out, lse)
 
 
 def test_deterministic_captured_gradients_on_gpu() -> None:
