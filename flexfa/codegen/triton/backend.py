@@ -152,16 +152,7 @@ class Launcher:
         self.plan.tune = value
 
     def _kernel_key(self, kernel: str, cfg, **constexprs) -> KernelKey:
-        spec = self.spec
-        return KernelKey(
-            module=self.key,
-            kernel=kernel,
-            dtype=str(spec.dtype).removeprefix("torch."),
-            head_dim=spec.head_dim,
-            head_dim_v=spec.head_dim_v,
-            config=cfg,
-            constexprs=tuple(sorted(constexprs.items())),
-        )
+        return KernelKey.for_spec(self.key, kernel, self.spec, cfg, constexprs)
 
     def _label(self, kernel: str) -> str:
         spec = self.spec

@@ -517,15 +517,7 @@ def _launch(plan, spec, name, kernel, grid, args, constexprs, cfg, label) -> Ker
         constexprs=constexprs,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        key=KernelKey(
-            module=plan.key,
-            kernel=name,
-            dtype=str(spec.dtype).removeprefix("torch."),
-            head_dim=spec.head_dim,
-            head_dim_v=spec.head_dim_v,
-            config=cfg,
-            constexprs=tuple(sorted(constexprs.items())),
-        ),
+        key=KernelKey.for_spec(plan.key, name, spec, cfg, constexprs),
         label=label,
     )
 

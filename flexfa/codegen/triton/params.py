@@ -6,9 +6,13 @@ import dataclasses
 import functools
 import hashlib
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from flexfa.codegen.triton.emit import ModSource
+
+if TYPE_CHECKING:
+    from flexfa.spec import AttentionSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +117,26 @@ class KernelKey:
     head_dim_v: int
     config: FwdConfig | BwdConfig
     constexprs: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def for_spec(
+        cls,
+        module: ModuleKey,
+        kernel: str,
+        spec: AttentionSpec,
+        config: FwdConfig | BwdConfig,
+        constexprs: Mapping[str, Any],
+    ) -> KernelKey:
+        """The key of `kernel` of `module` launched for `spec`'s dtype and head dims."""
+        return cls(
+            module=module,
+            kernel=kernel,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            head_dim=spec.head_dim,
+            head_dim_v=spec.head_dim_v,
+            config=config,
+            constexprs=tuple(sorted(constexprs.items())),
+        )
 
     @functools.cached_property
     def digest(self) -> str:
