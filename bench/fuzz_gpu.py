@@ -48,7 +48,7 @@ def _run(item):
     index, program = item
     if time.monotonic() > _DEADLINE:
         return index, "skipped", "", 0.0
-    from tests.e2e.fuzzgen import INTERPRETER_TILES
+    from tests.e2e.harness import INTERPRETER_TILES
 
     options = INTERPRETER_TILES if _DEVICE == "cpu" else None
     start = time.monotonic()

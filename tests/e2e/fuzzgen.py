@@ -468,17 +468,6 @@ def draw_programs(n: int, seed: int, strategy=None) -> list[Program]:
     return list(drawn.values())
 
 
-#: Triton tiles for the interpreter: 16 wide, so that tiny problems still have ragged tiles.
-INTERPRETER_TILES = {
-    "block_m": 16,
-    "block_n": 16,
-    "bwd_block_m1": 16,
-    "bwd_block_n1": 16,
-    "bwd_block_m2": 16,
-    "bwd_block_n2": 16,
-}
-
-
 def interpreter_programs():
     """Programs small enough for Triton's interpreter (no bfloat16 there, BlockMask tiles that
     16-wide Triton tiles divide)."""

@@ -23,6 +23,18 @@ from tests.mods import BuiltMod, ModEntry, Shape
 from tests.tolerance import ThreeWay
 
 ModMaker = Callable[[torch.dtype], BuiltMod]
+
+#: Triton tiles for the interpreter: 16 wide, so that tiny problems still have ragged tiles and
+#: the kernels see several blocks.
+INTERPRETER_TILES = {
+    "block_m": 16,
+    "block_n": 16,
+    "bwd_block_m1": 16,
+    "bwd_block_n1": 16,
+    "bwd_block_m2": 16,
+    "bwd_block_n2": 16,
+}
+
 _NO_SCORE_MOD = BuiltMod(fn=None)  # type: ignore[arg-type]  # score_mod=None
 
 

@@ -16,7 +16,7 @@ from flexfa.blockmask import exact
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid, TileList
 from tests.blockmask import oracle
-from tests.e2e.fuzzgen import INTERPRETER_TILES as TRITON_TILES
+from tests.e2e.harness import INTERPRETER_TILES as TRITON_TILES
 from tests.e2e.harness import Problem, check_attention
 from tests.mods import BuiltMod
 

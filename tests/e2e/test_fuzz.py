@@ -27,14 +27,13 @@ from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid, TileList
 from tests.blockmask import oracle
 from tests.e2e.fuzzgen import (
-    INTERPRETER_TILES,
     Program,
     gpu_programs,
     interpreter_programs,
     mask_mod_sources,
     programs,
 )
-from tests.e2e.harness import Problem
+from tests.e2e.harness import INTERPRETER_TILES, Problem
 
 #: Programs per backend in CI. Measured on a 2-core machine under load (load average 8): this file
 #: and test_constant_mods.py take 3.2 minutes of wall time together, 81 s of CPU time; tiled 60

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 import flexfa
 from flexfa import config
 from flexfa.reference import reference_attention
+from tests.e2e.harness import INTERPRETER_TILES as TILES
 from tests.e2e.harness import Problem, check_attention
 from tests.e2e.layouts import LAYOUTS, describe, relayout
 from tests.e2e.strategies import examples, layouts
@@ -27,15 +28,6 @@ from tests.tolerance import ThreeWay
 
 #: The kernel backends this machine can run on the CPU (Triton through its interpreter).
 BACKENDS = ["tiled"] + (["triton"] if config.triton_interpret else [])
-#: Small tiles, so the Triton kernels see several blocks and partial ones at these lengths.
-TILES = {
-    "block_m": 16,
-    "block_n": 16,
-    "bwd_block_m1": 16,
-    "bwd_block_n1": 16,
-    "bwd_block_m2": 16,
-    "bwd_block_n2": 16,
-}
 
 
 def _options(backend: str) -> dict | None:

@@ -13,17 +13,9 @@ import torch
 
 import flexfa
 from tests.e2e import layouts
+from tests.e2e.harness import INTERPRETER_TILES as TILES
 from tests.e2e.harness import Problem, check_attention, maker
 from tests.mods import MASK_MODS, SCORE_MODS, mask_mod, score_mod
-
-TILES = {
-    "block_m": 16,
-    "block_n": 16,
-    "bwd_block_m1": 16,
-    "bwd_block_n1": 16,
-    "bwd_block_m2": 16,
-    "bwd_block_n2": 16,
-}
 
 SCORE_PROBLEM = Problem(
     batch=2, heads_q=4, heads_kv=2, len_q=37, len_kv=45, head_dim=16, head_dim_v=24
