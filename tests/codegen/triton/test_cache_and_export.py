@@ -24,14 +24,6 @@ GOLDEN = Path(__file__).parent / "golden"
 ROOT = Path(__file__).resolve().parents[3]
 
 
-@pytest.fixture
-def cache_dir(tmp_path):
-    with flexfa.config.override(cache_dir=str(tmp_path / "cache")):
-        tmodule.clear_memory_cache()
-        yield tmp_path / "cache"
-        tmodule.clear_memory_cache()
-
-
 def _module_key(**changes) -> ModuleKey:
     base = ModuleKey(
         score_mod="score_mod:alibi:abc",

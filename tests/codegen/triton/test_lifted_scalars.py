@@ -15,14 +15,6 @@ from flexfa.codegen.triton import plan as tplan
 from flexfa.reference import reference_attention
 
 
-@pytest.fixture
-def cache_dir(tmp_path):
-    with flexfa.config.override(cache_dir=str(tmp_path / "cache")):
-        tmodule.clear_memory_cache()
-        yield tmp_path / "cache"
-        tmodule.clear_memory_cache()
-
-
 def scaled_distance(c: float):
     return lambda score, b, h, q_idx, kv_idx, c=c: score + c * 0.01 * (kv_idx - q_idx)
 
