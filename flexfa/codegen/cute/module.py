@@ -21,9 +21,8 @@ import threading
 import types
 from pathlib import Path
 
-import jinja2
-
 from flexfa import diskcache
+from flexfa.codegen import jinja
 from flexfa.codegen.cute import emit
 from flexfa.frontend.trace import TracedMod
 
@@ -102,16 +101,6 @@ class Rendered:
     source: str
 
 
-@functools.lru_cache(maxsize=1)
-def _environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
-
-
 def _aux_doc(score: TracedMod | None, mask: TracedMod | None, aux: emit.AuxLayout) -> str:
     entries = []
     if score is not None:
@@ -145,7 +134,7 @@ def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozense
     sm = score.name if score is not None else "none"
     mm = mask.name if mask is not None else "none"
     source = (
-        _environment()
+        jinja.environment(TEMPLATE_DIR)
         .get_template(TEMPLATE)
         .render(
             flexfa_version=__version__,

@@ -29,6 +29,7 @@ from pathlib import Path
 import jinja2
 
 from flexfa import diskcache
+from flexfa.codegen import jinja
 from flexfa.codegen.triton import emit
 from flexfa.codegen.triton.params import ModuleKey, TemplateParams
 from flexfa.config import config
@@ -60,14 +61,8 @@ _modules: dict[str, types.ModuleType] = {}
 _lock = threading.Lock()
 
 
-@functools.lru_cache(maxsize=1)
 def jinja_environment() -> jinja2.Environment:
-    return jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        autoescape=False,
-    )
+    return jinja.environment(TEMPLATE_DIR)
 
 
 @functools.lru_cache(maxsize=1)
