@@ -352,6 +352,8 @@ def _spec(
         kernel_options=dict(d.kernel_options),
         capture_grads=grad_slots if needs_grad else None,
         max_scores=max_scores,
+        # batch 1: one K/V for every query batch element (Note [K/V batch broadcast])
+        batch_kv=k.shape[0],
     )
 
 

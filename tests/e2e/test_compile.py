@@ -59,6 +59,30 @@ def test_fullgraph_forward_backward_with_a_captured_parameter(compiler="aot_eage
     assert counter.frame_count == 1  # one graph: no graph break
 
 
+@pytest.mark.parametrize(
+    "backend", ["tiled"] + (["triton"] if flexfa.config.triton_interpret else [])
+)
+def test_broadcast_kv_under_compile(backend):
+    """K/V of batch 1 against q of batch 2 (read with batch stride 0) gives eager's results."""
+    torch.manual_seed(4)
+    q = torch.randn(2, 4, 23, 16, requires_grad=True)
+    k, v = (torch.randn(1, 4, 31, 16, requires_grad=True) for _ in range(2))
+
+    def f(q, k, v):
+        return flexfa.attention(
+            q, k, v, score_mod=rel_bias, block_mask=flexfa.masks.causal, backend=backend
+        )
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = compiled(q, k, v)
+    grads = torch.autograd.grad(got.square().sum(), (q, k, v))
+    ref = f(q, k, v)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    torch.testing.assert_close(got, ref)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a, b)
+
+
 def test_no_recompile_over_training_steps():
     """Optimizer steps change the parameter's values, not anything the graph depends on."""
     torch.manual_seed(1)

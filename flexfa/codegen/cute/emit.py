@@ -353,7 +353,7 @@ def emit_mod(
     traced: TracedMod, fn_name: str, aux: AuxLayout, constants: Constants | None = None
 ) -> ModSource:
     """The forward hook of a score_mod (`score_mod`) or mask_mod (`mask_mod`)."""
-    body = _Body(_aux_index(traced, aux), constants or Constants())
+    body = _Body(_aux_index(traced, aux), constants or Constants(traced.scalar_values))
     body.emit([traced.output])
     ret = body.name(traced.output)
     lines = [*_reads(body, _VAR_ORDER), *body.lines]
@@ -377,7 +377,7 @@ def emit_score_mod_bwd(
     """The `score_mod_bwd` hook, from flexfa's autodiff (never written by hand): it returns
     grad * d score_mod / d score and adds the captured tensors' gradients into their buffers
     (Note [Captured gradients in the FA4 backward])."""
-    body = _Body(_aux_index(traced, aux), constants or Constants())
+    body = _Body(_aux_index(traced, aux), constants or Constants(traced.scalar_values))
     loads = [g for g in grad.loads if g.slot in aux.grad_slots]
     body.emit([grad.d_score, *(g.d_load for g in loads), *(i for g in loads for i in g.indices)])
     lines = ["grad = grad_ssa[i]", *_reads(body, _VAR_ORDER), *body.lines]

@@ -103,5 +103,5 @@ def test_every_constant_comes_from_constants():
     """Note [Constants in generated CuTe source]: one place prints constants, so lifting scalars
     into aux_scalars later changes `Constants` only."""
     traced = trace_score_mod(flexfa.mods.softcap(30.0))
-    src = emit.emit_mod(traced, "f", emit.AuxLayout(0, 0, ()), _Marked()).source
+    src = emit.emit_mod(traced, "f", emit.AuxLayout(0, 0, ()), _Marked(traced.scalar_values)).source
     assert "LIFTED" in src and "30.0" not in src
