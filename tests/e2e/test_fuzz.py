@@ -131,11 +131,10 @@ def test_fuzz_block_mask_kernels(mask, lengths, block, heads, capture_seed, tmp_
 
 #: Programs the fuzzer once failed on, kept as fixed cases (each with what it found).
 REGRESSIONS = {
-    # A captured tensor's gradient sums dS over every pair of a head. The Triton backend computes
-    # delta = rowsum(dO * O) from the output rounded to float16, and each row's rounding error
-    # enters that sum: errors of about 3e-3 where eager torch has 2e-4. The tiled backend keeps
-    # the unrounded output (Note [Delta from the unrounded output] in flexfa/backends/tiled.py).
-    # Open: the Triton backend needs the same (its templates and launcher).
+    # A captured tensor's gradient sums dS over every pair of a head; in float16 the Triton
+    # backend's error is about 3e-3 where eager torch's is 2e-4 (docs/triton.md, "Known
+    # imprecision"). Part of it: delta = rowsum(dO * O) from the output rounded to float16 (the
+    # tiled backend keeps the unrounded output, Note [Delta from the unrounded output]). Open.
     "float16 capture gradient": Program(
         problem=Problem(len_q=18, len_kv=15, heads_q=1, heads_kv=1, dtype=torch.float16),
         score_mod="def score_mod(score, b, h, q_idx, kv_idx):\n    return score + h16[h]\n",
