@@ -130,8 +130,10 @@ def test_fuzz_block_mask_kernels(mask, lengths, block, heads, capture_seed, tmp_
 
 #: Programs the fuzzer once failed on, kept as fixed cases (each with what it found).
 REGRESSIONS = {
-    # A float16 captured tensor's gradient, one float16 unit off after rounding: the harness now
-    # allows that unit (tests/e2e/harness.py `_grad_atol`).
+    # A captured tensor's gradient sums dS over every pair of a head; in float16 the Triton
+    # backend's error is about 3e-3 where eager torch's is 2e-4 (docs/triton.md, "Known
+    # imprecision"). Part of it: delta = rowsum(dO * O) from the output rounded to float16 (the
+    # tiled backend keeps the unrounded output, Note [Delta from the unrounded output]). Open.
     "float16 capture gradient": Program(
         problem=Problem(len_q=18, len_kv=15, heads_q=1, heads_kv=1, dtype=torch.float16),
         score_mod="def score_mod(score, b, h, q_idx, kv_idx):\n    return score + h16[h]\n",
@@ -146,8 +148,26 @@ REGRESSIONS = {
 }
 
 
-@pytest.mark.parametrize("backend", ["tiled", "triton"])
-@pytest.mark.parametrize("name", sorted(REGRESSIONS))
+_OPEN = {
+    ("float16 capture gradient", "triton"): "the Triton backward takes delta from the rounded "
+    "output (see REGRESSIONS)",
+}
+
+
+@pytest.mark.parametrize(
+    ("name", "backend"),
+    [
+        pytest.param(
+            name,
+            backend,
+            marks=[pytest.mark.xfail(strict=True, reason=_OPEN[name, backend])]
+            if (name, backend) in _OPEN
+            else [],
+        )
+        for name in sorted(REGRESSIONS)
+        for backend in ("tiled", "triton")
+    ],
+)
 def test_fuzz_regressions(name, backend):
     options = INTERPRETER_TILES if backend == "triton" else None
     REGRESSIONS[name].check(backend, options)
