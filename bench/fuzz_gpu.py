@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     parser.add_argument("--save", help="write the drawn programs to this JSON file and stop")
     parser.add_argument("--load", help="run the programs of this JSON file (from --save)")
+    parser.add_argument("--skip", type=int, default=0, help="leave out the first N loaded programs")
     args = parser.parse_args()
 
     import torch
@@ -82,7 +83,7 @@ def main() -> None:
         from tests.e2e.fuzzgen import Program
 
         data = json.loads(Path(args.load).read_text())
-        progs = [Program.from_json(d) for d in data][: args.programs]
+        progs = [Program.from_json(d) for d in data][args.skip : args.skip + args.programs]
     else:
         progs = draw_programs(args.programs, args.seed, strategy)
     if args.save:
@@ -103,6 +104,7 @@ def main() -> None:
     report = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",
         "seed": args.seed,
+        "skipped_first": args.skip,
         "programs_drawn": len(progs),
         "checked": checked,
         **counts,

@@ -7,8 +7,10 @@ worse than plain eager torch in the same dtype. So each comparison involves thre
 - `eager`: the same reference computed in the kernel's dtype (what a user would get without flexfa),
 - `kernel`: the backend under test,
 
-and passes when  error(kernel) <= factor * error(eager) + atol,  errors being the largest absolute
-difference from the reference. Matching infinities count as equal (an empty row's LSE is -inf in
+and passes when  error(kernel) <= factor * error(eager) + atol * scale,  errors being the largest
+absolute difference from the reference and `scale` the reference's largest finite magnitude (at
+least 1): atol is about one rounding of a value of the result's own size, so a gradient summed over
+hundreds of rows (|dV| ~ 30) is not held to the absolute precision of an O(1) output. Matching infinities count as equal (an empty row's LSE is -inf in
 all three); a NaN, or an infinity where the reference is finite, is an infinite error. Failure
 messages carry all the numbers.
 
@@ -27,7 +29,8 @@ import math
 
 import torch
 
-#: atol per kernel dtype: roughly one rounding of an O(1) value in that dtype.
+#: atol per kernel dtype: roughly one rounding of an O(1) value in that dtype (scaled by the
+#: reference's magnitude where that is larger, see `magnitude`).
 DEFAULT_ATOL: dict[torch.dtype, float] = {
     torch.float64: 1e-9,
     torch.float32: 1e-5,
@@ -52,6 +55,13 @@ def max_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     diff = torch.where(a == e, 0.0, (a - e).abs())
     diff = torch.where(torch.isnan(a) | torch.isnan(e), math.inf, diff)
     return float(diff.max())
+
+
+def magnitude(reference: torch.Tensor) -> float:
+    """The largest finite |reference|, at least 1 (the scale the atol is multiplied by)."""
+    r = reference.detach().to(torch.float64)
+    r = r[torch.isfinite(r)]
+    return max(1.0, float(r.abs().max())) if r.numel() else 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +106,7 @@ def compare(
         name=name,
         kernel_error=max_error(kernel, reference),
         eager_error=max_error(eager, reference),
-        atol=atol,
+        atol=atol * magnitude(reference),
         factor=factor,
     )
 
@@ -111,7 +121,8 @@ def assert_three_way(
     factor: float = 2.0,
     context: str = "",
 ) -> Comparison:
-    """Raise AssertionError (with the numbers) unless kernel error <= factor * eager error + atol."""
+    """Raise AssertionError (with the numbers) unless kernel error <= factor * eager error + atol
+    (atol scaled by the reference's magnitude, `magnitude`)."""
     result = compare(name, kernel, eager, reference, atol=atol, factor=factor)
     if not result.ok:
         raise AssertionError(f"{result}{' | ' + context if context else ''}")

@@ -9,7 +9,8 @@
 #   - B and H as the mask uses them, the sequence lengths, the device and the block size.
 # Changing a captured doc-id tensor in place bumps its version, so the next call rebuilds; passing a
 # new tensor changes the identity. The cache holds the tensors alive, so an identity cannot be reused
-# by another tensor while its entry exists.
+# by another tensor while its entry exists. On CUDA a miss is built outside CUDA graph pools
+# (Note [Caches under CUDA graphs] in flexfa/persist.py).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.blockmask.build import create_block_mask
 from flexfa.frontend.trace import TracedMod, trace_mask_mod
+from flexfa.persist import persistent
 
 DEFAULT_BLOCK_SIZE = BlockSize(128, 128)
 _CACHE_SIZE = 64
@@ -53,8 +55,11 @@ def cached_block_mask(
     if hit is not None:
         _cache.move_to_end(key)
         return hit
-    bm = create_block_mask(
-        traced, B, H, Lq, Lkv, device=device, BLOCK_SIZE=(block_size.q, block_size.kv)
+    bm = persistent(
+        device,
+        lambda: create_block_mask(
+            traced, B, H, Lq, Lkv, device=device, BLOCK_SIZE=(block_size.q, block_size.kv)
+        ),
     )
     _cache[key] = bm
     while len(_cache) > _CACHE_SIZE:
@@ -185,7 +190,7 @@ def _check_given(
         # (kernel flags, decode lists) keep hitting when a CPU-built mask is passed every call.
         moved = _moved.setdefault(bm, {})
         if device not in moved:
-            moved[device] = bm.to(device)
+            moved[device] = persistent(device, lambda: bm.to(device))
         bm = moved[device]
     return bm
 

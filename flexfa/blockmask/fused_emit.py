@@ -155,6 +155,9 @@ class _Emitter:
             "kv_idx": ("kv_lo", "kv_hi"),
         }
         lo, hi = [str(form.const)], [str(form.const)]
+        if not form.coeffs:  # a folded constant: give it the tiles' shape and an integer type
+            lo.append("0 * q_lo.to(tl.int64)")
+            hi.append("0 * q_lo.to(tl.int64)")
         for name, c in form.coeffs:
             a, z = ranges[name]
             small, large = (a, z) if c > 0 else (z, a)

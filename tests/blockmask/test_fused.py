@@ -192,3 +192,21 @@ def test_generated_source_is_cached_and_readable(tmp_path) -> None:
     fused.clear_memory_cache()
     fused.build(traced, grid)  # read back from disk, not written again
     assert len(list((tmp_path / "blockmask").glob("lists_*/kernels.py"))) == 1
+
+
+def test_affine_values_that_fold_to_constants() -> None:
+    """Found by the GPU fuzzer: `q_idx - q_idx + c` is an affine form without variables, whose
+    bounds the kernel once printed as `(c).to(tl.float64)` (a compile error)."""
+
+    def never(b, h, q_idx, kv_idx):
+        return ~((q_idx - q_idx) > 0)
+
+    def folded(b, h, q_idx, kv_idx):
+        d = q_idx - q_idx + -3
+        return torch.where(d != d, 7, d) >= (b >= b).int()
+
+    for fn in (never, folded):
+        with flexfa.config.override(fused_block_mask="on"):
+            bm = flexfa.create_block_mask(fn, 2, None, 80, 70, BLOCK_SIZE=16)
+        want = oracle.expected_states(fn, 1, 1, 80, 70, BlockSize(16, 16))
+        assert torch.equal(oracle.states_of(bm, 1, 1), want), fn.__name__

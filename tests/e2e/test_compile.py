@@ -203,6 +203,30 @@ def test_triton_backend_compiled_on_cuda(mode):
     torch.testing.assert_close(got[2], q.grad, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_steps_under_cuda_graphs():
+    """A serving loop's decode step (Lq=1, the split-KV decode path) under CUDA graphs: the
+    BlockMask and decode lists flexfa caches are built outside the graph pool (Note [Caches under
+    CUDA graphs]); every replay equals the eager call."""
+    torch.manual_seed(5)
+    k, v = (torch.randn(2, 2, 4096, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+
+    def window(b, h, q_idx, kv_idx):  # the last 1024 positions of the cache
+        return kv_idx >= 4096 - 1024
+
+    def step(q):
+        return flexfa.attention(q, k, v, score_mod=flexfa.mods.alibi, block_mask=window,
+                                enable_gqa=True)  # fmt: skip
+
+    compiled = torch.compile(step, fullgraph=True, mode="reduce-overhead")
+    for i in range(4):  # warm-up, record, replays
+        q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+        with torch._dynamo.config.patch(error_on_recompile=i > 0):
+            got = compiled(q).clone()
+        torch.testing.assert_close(got, step(q), rtol=2e-2, atol=2e-2, msg=f"step {i}")
+
+
 class RelBias(torch.nn.Module):
     """A score_mod that is a module of the model: its table is the module's parameter."""
 

@@ -33,6 +33,7 @@ class Call:
     deterministic: bool
     fwd_sparse: sparse.SparseLists | None = None
     bwd_sparse: sparse.SparseLists | None = None
+    bwd_rows_80: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -66,25 +67,24 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
     return hooks
 
 
-def backward_lowering(lowering: MaskLowering, has_score_mod: bool) -> MaskLowering:
-    """The mask lowering of the backward (Note [Backward with a score_mod])."""
-    if not has_score_mod or not lowering.native or lowering.kind == "full":
-        return lowering
-    return MaskLowering(
-        "mask_mod",
-        reason="backward with a score_mod: the generated mask_mod, not FA4's native mask",
-    )
+def backward_rows_80(has_score_mod: bool, head_dim: int) -> bool:
+    """Whether FA4's sm90 backward must take its 80-row tiles (Note [Backward with a score_mod])."""
+    return has_score_mod and 64 < head_dim <= 128
 
 
 # Note [Backward with a score_mod]
-# On the H200, FA4's sm90 backward with a score_mod gave wrong dQ (and dK, dV) wherever its tile
-# had 64 query rows: head dims 65..96 always, and 97..128 under FA4's native causal / window
-# (which switches that tile from 80 rows to 64), while the same score_mods were right with 80- and
-# 128-row tiles (a mask_mod with D=128, a full mask with D=64) and the forward was right
-# everywhere. So a backward with a score_mod never uses the native masks: it passes the generated
-# mask_mod (same mask, FA4's 80-row tile at D=128), and the "fa4" backend refuses gradients of
-# calls with a score_mod at head dims whose sm90 backward tile has 64 rows whatever the mask
-# (`flexfa.backends.fa4.score_mod_backward_unsupported`). The forward keeps the native mask.
+# On the H200, FA4's sm90 backward with a score_mod gave wrong dQ, dK and dV wherever its tile had
+# 64 query rows: at head dims 65..96 always, and at 97..128 under FA4's native causal or window
+# masks (which switch that tile from 80 rows to 64), while the same hooks were right with 80- and
+# 128-row tiles and the forward was right everywhere. FA4's own score_mod tests run its backward
+# at head dims 64 and 128 without causal, i.e. with 128- and 80-row tiles only. So flexfa runs the
+# backward of every call with a score_mod at head dims 65..128 with the 80-row tiles FA4 uses for
+# non-causal head dim 128 (`launch.sm90_backward_rows_80`), and keeps the native masks: empty
+# tiles of a causal or window mask are skipped by FA4's scheduler, not walked with a mask_mod.
+# (Before, the backward passed the generated mask_mod to get 80-row tiles: right, but it walked
+# every tile, half the causal backward's work spent on empty ones.) Head dims above 128 have
+# 64-row tiles only, and gradients through a score_mod are refused there
+# (`flexfa.backends.fa4.score_mod_backward_unsupported`).
 
 
 def plan_call(
@@ -103,7 +103,7 @@ def plan_call(
     `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
     [Block-sparse lists for FA4]; the caller checked `sparse.why_not_sparse`)."""
     lowering = mask_lowering(mask, len_q, len_kv)
-    bwd_lowering = backward_lowering(lowering, score is not None) if needs_grad else lowering
+    bwd_lowering = lowering  # the same in both passes (Note [Backward with a score_mod])
     grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
     # A mask used natively in both passes needs no mask_mod: it stays out of the module (and of
     # FA4's compile key).
@@ -113,6 +113,8 @@ def plan_call(
     if block_mask is not None and mask is not None:
         if not lowering.native:
             fwd_sparse = sparse.forward_lists(block_mask)
+        # FA4 takes 64-row backward tiles for block-sparse lists of 128-row blocks at head dims
+        # above 64 (Note [Backward with a score_mod]): with a score_mod those walk every tile.
         sparse_bwd_ok = (score is None or head_dim <= 64) and not deterministic
         if needs_grad and not bwd_lowering.native and sparse_bwd_ok:
             bwd_sparse = sparse.backward_lists(block_mask)
@@ -126,6 +128,7 @@ def plan_call(
         deterministic=deterministic,
         fwd_sparse=fwd_sparse,
         bwd_sparse=bwd_sparse,
+        bwd_rows_80=needs_grad and backward_rows_80(score is not None, head_dim),
     )
 
 
@@ -188,6 +191,7 @@ class _Fa4Function(torch.autograd.Function):
             aux_tensors=aux,
             deterministic=call.deterministic,
             block_sparse=call.bwd_sparse,
+            rows_80=call.bwd_rows_80,
         )
         capture_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
         for slot, g in zip(call.grad_slots, grads):

@@ -26,6 +26,18 @@ FA4 passes the same list to every hook, so each function reads its own entries b
 # (flexfa/codegen/cute/module.py). Passing them as FA4's runtime `aux_scalars` instead changes
 # `scalar` alone; the functions' bodies need no other change.
 #
+# Note [Fast math in generated CuTe source]
+# The generated hooks run once per score element, next to FA4's own exp2 of the softmax, and the
+# multi-function unit that computes both is the forward's bottleneck at head dim 128. So float32
+# math is written the way FA4's kernels and flexfa's Triton kernels write it: exp, exp2, log, log2,
+# tanh, sin and cos use the hardware approximations (`fastmath=True`: one `tanh.approx.f32` instead
+# of an exp2, a reciprocal and an exact division); `x / c` for a constant c is `x * (1 / c)`, and
+# `x / y` is `x * rcp_approx(y)` (within two units in the last place, as Triton's default float
+# division). Exact IEEE division and libm-accurate functions cost several of those units per
+# element: the first softcap kernels, written with them, ran at 0.61x of FA4's built-in softcap.
+# The errors stay far below a bfloat16 or float16 rounding of the result, which is what the
+# three-way tests check. float64 math (a float64 captured tensor) is left exact.
+#
 # Note [Captured gradients in the FA4 backward]
 # d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
 # FA4 calls `score_mod_bwd` once per score element, so the generated function adds its contribution
@@ -69,6 +81,9 @@ _MATH = {
     Op.FLOOR: "cute.math.floor",
     Op.CEIL: "cute.math.ceil",
 }
+# float32 functions computed with the GPU's approximations (Note [Fast math in generated CuTe
+# source]).
+_FAST = frozenset({Op.EXP, Op.EXP2, Op.LOG, Op.LOG2, Op.TANH, Op.SIN, Op.COS})
 _INFIX = {
     Op.ADD: "+",
     Op.SUB: "-",
@@ -220,9 +235,16 @@ class _Body:
                 f"flexfa_select({a[0]} < {zero}, -{one}, {zero}))"
             )
         if op is Op.SIGMOID:
+            if n.dtype is DType.FLOAT32:
+                return (
+                    f"cute.arch.rcp_approx({_one(n.dtype)} + cute.math.exp(-{a[0]}, fastmath=True))"
+                )
             return f"{_one(n.dtype)} / ({_one(n.dtype)} + cute.math.exp(-{a[0]}))"
         if op in _MATH:
-            return f"{_MATH[op]}({a[0]})"
+            fast = ", fastmath=True" if op in _FAST and n.dtype is DType.FLOAT32 else ""
+            return f"{_MATH[op]}({a[0]}{fast})"
+        if op is Op.TRUEDIV and n.dtype is DType.FLOAT32:
+            return self._divide(n, a)
         if op in _INFIX:
             return f"{a[0]} {_INFIX[op]} {a[1]}"
         if op is Op.MIN:
@@ -246,6 +268,13 @@ class _Body:
                 return f"{a[0]} % {a[1]}"
             return f"flexfa_floormod({a[0]}, {a[1]})"
         raise NotImplementedError(f"no CuTe DSL lowering for {op}")  # pragma: no cover
+
+    def _divide(self, n: Node, a: list[str]) -> str:
+        """float32 `a / b` as a product (Note [Fast math in generated CuTe source])."""
+        divisor = n.srcs[1]
+        if divisor.op is Op.CONST and math.isfinite(divisor.arg) and divisor.arg != 0:
+            return f"{a[0]} * {_f32(1.0 / divisor.arg)}"
+        return f"{a[0]} * cute.arch.rcp_approx({a[1]})"
 
     def _pow(self, n: Node, a: list[str]) -> str:
         exponent, base = n.srcs[1], n.srcs[0]

@@ -9,8 +9,10 @@ These functions import flash_attn; only the "fa4" backend and export call them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -75,6 +77,33 @@ def forward(
     return out.transpose(1, 2), lse, out
 
 
+_tile_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def sm90_backward_rows_80() -> Iterator[None]:
+    """Within the block, FA4's sm90 backward takes its 80-row tiles at head dims 65..128 (Note
+    [Backward with a score_mod] in backend.py). FA4 picks its tiles in one private function of
+    its interface, with no argument to choose them; it is replaced for the duration of the call,
+    under a lock (the choice is read when FA4 compiles or looks up the kernel, inside the call)."""
+    import flash_attn.cute.interface as fa4_interface
+
+    original = fa4_interface._tile_size_bwd_sm90
+
+    def tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
+        if 64 < head_dim <= 128 and head_dim_v <= 128:
+            # FA4's non-causal head-dim-128 configuration: 80 x 128 tiles, dQ with swapped operands
+            return original(128, 128, False, False, sparse_block_size_q)
+        return original(head_dim, head_dim_v, causal, local, sparse_block_size_q)
+
+    with _tile_lock:
+        fa4_interface._tile_size_bwd_sm90 = tiles
+        try:
+            yield
+        finally:
+            fa4_interface._tile_size_bwd_sm90 = original
+
+
 def backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -90,27 +119,30 @@ def backward(
     aux_tensors: list[torch.Tensor],
     deterministic: bool,
     block_sparse: SparseLists | None = None,
+    rows_80: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
     Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
     in place (Note [Captured gradients in the FA4 backward] in emit.py)."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    dq, dk, dv = _flash_attn_bwd(
-        _fa4_layout(q),
-        _fa4_layout(k),
-        _fa4_layout(v),
-        out_fa4,
-        _fa4_layout(dout),
-        lse,
-        softmax_scale=scale,
-        deterministic=deterministic,
-        score_mod=hooks.score_mod,
-        score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
-        mask_mod=hooks.mask_mod if not lowering.native else None,
-        aux_tensors=aux_tensors or None,
-        block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
-        dlse=dlse,
-        **lowering.fa4_kwargs(),
-    )[:3]
+    tiles = sm90_backward_rows_80() if rows_80 else contextlib.nullcontext()
+    with tiles:
+        dq, dk, dv = _flash_attn_bwd(
+            _fa4_layout(q),
+            _fa4_layout(k),
+            _fa4_layout(v),
+            out_fa4,
+            _fa4_layout(dout),
+            lse,
+            softmax_scale=scale,
+            deterministic=deterministic,
+            score_mod=hooks.score_mod,
+            score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
+            mask_mod=hooks.mask_mod if not lowering.native else None,
+            aux_tensors=aux_tensors or None,
+            block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
+            dlse=dlse,
+            **lowering.fa4_kwargs(),
+        )[:3]
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

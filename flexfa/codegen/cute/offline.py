@@ -163,6 +163,7 @@ def compile_call(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
                 lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
+                rows_80=call.bwd_rows_80 and number // 10 == 9,
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
@@ -170,6 +171,8 @@ def compile_call(
     text = f"{lowering.kind}: {lowering.reason}"
     if call.bwd_lowering is not lowering:
         text += f"; backward {call.bwd_lowering.kind}: {call.bwd_lowering.reason}"
+    if backward and call.bwd_rows_80 and number // 10 == 9:
+        text += "; backward with 80-row tiles (Note [Backward with a score_mod])"
     text += "".join(
         f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
         ("backward", call.bwd_sparse)) if lists is not None

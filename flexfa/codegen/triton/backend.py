@@ -31,6 +31,7 @@ from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 from flexfa.layout import empty_like_query
+from flexfa.persist import persistent
 from flexfa.spec import AttentionSpec
 
 log = logging.getLogger("flexfa")
@@ -81,9 +82,13 @@ def _list_flags(bm: BlockMask) -> _ListFlags:
     """Which block lists are non-empty anywhere (one host sync per BlockMask, then cached)."""
     flags = _flags_cache.get(bm)
     if flags is None:
-        counts = torch.stack(
-            [bl.count.amax() for bl in (bm.kv_partial, bm.kv_full, bm.q_partial, bm.q_full)]
-        ).tolist()
+        # on the builder thread: a host sync must not reach a stream a CUDA graph is capturing
+        counts = persistent(
+            bm.device,
+            lambda: torch.stack(
+                [bl.count.amax() for bl in (bm.kv_partial, bm.kv_full, bm.q_partial, bm.q_full)]
+            ).tolist(),
+        )
         flags = _ListFlags(*(bool(c > 0) for c in counts))
         _flags_cache[bm] = flags
     return flags

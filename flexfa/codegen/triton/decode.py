@@ -36,6 +36,7 @@ from flexfa.codegen.triton.launch import KernelLaunch, launch
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey, _check_positive, _check_pow2
 from flexfa.codegen.triton.plan import plan_key
+from flexfa.persist import persistent
 from flexfa.spec import AttentionSpec
 
 #: The longest query the decode path takes by default (longer ones use the attention kernel).
@@ -406,7 +407,9 @@ def prepared(
     per_mask = _prepared.setdefault(spec.block_mask, {})
     found = per_mask.get(key) if key is not None else None
     if found is None:
-        found = _prepare(spec, config_override, capability, force_compiled)
+        found = persistent(  # Note [Caches under CUDA graphs]
+            spec.device, lambda: _prepare(spec, config_override, capability, force_compiled)
+        )
         if key is not None:
             per_mask[key] = found
     return found
@@ -422,7 +425,9 @@ def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
     key = (device, stream)
     buf = _counters.get(key)
     if buf is None or buf.numel() < size:
-        buf = torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+        buf = persistent(
+            device, lambda: torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+        )
         _counters[key] = buf
     return buf
 

@@ -83,16 +83,21 @@ def test_score_mod_backward_refused_where_fa4_gave_wrong_gradients():
     assert fa4.score_mod_backward_unsupported(80, 10) is None
 
 
-def test_backward_with_a_score_mod_uses_the_mask_mod():
-    from flexfa.codegen.cute.backend import backward_lowering
-    from flexfa.codegen.cute.plan import lower_mask
-    from flexfa.frontend import trace_mask_mod
+def test_backward_with_a_score_mod_keeps_the_native_mask_on_80_row_tiles():
+    # Note [Backward with a score_mod]
+    from flexfa.codegen.cute.backend import plan_call
+    from flexfa.frontend import trace_mask_mod, trace_score_mod
 
-    causal = lower_mask(trace_mask_mod(flexfa.masks.causal), 256, 256)
-    assert backward_lowering(causal, has_score_mod=False) is causal
-    assert backward_lowering(causal, has_score_mod=True).kind == "mask_mod"
-    full = lower_mask(None, 256, 256)
-    assert backward_lowering(full, has_score_mod=True) is full
+    causal = trace_mask_mod(flexfa.masks.causal)
+    score = trace_score_mod(flexfa.mods.softcap(20.0))
+    for head_dim, rows_80 in ((64, False), (80, True), (128, True)):
+        call = plan_call(score, causal, len_q=256, len_kv=256, needs_grad=True, scale=0.1,
+                         head_dim=head_dim)  # fmt: skip
+        assert call.lowering.kind == call.bwd_lowering.kind == "causal"
+        assert call.bwd_rows_80 is rows_80, head_dim
+    no_mod = plan_call(None, causal, len_q=256, len_kv=256, needs_grad=True, scale=0.1,
+                       head_dim=128)  # fmt: skip
+    assert not no_mod.bwd_rows_80 and no_mod.hooks.mask_mod is None
 
 
 def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
@@ -121,8 +126,8 @@ def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
     out, lse = backend.run(spec, q, q, q)
     dq, dtable = torch.autograd.grad(out.float().sum() + lse.sum(), [q, table])
     assert seen["fwd"] == ("causal", [(4, 65)])
-    # The backward passes the generated mask_mod (Note [Backward with a score_mod]) and one
-    # float32 gradient buffer after the captured tensors.
-    assert seen["bwd"] == ("mask_mod", [(4, 65), (4, 65)], True)
+    # The backward keeps FA4's causal mask (Note [Backward with a score_mod]) and gets one float32
+    # gradient buffer after the captured tensors.
+    assert seen["bwd"] == ("causal", [(4, 65), (4, 65)], True)
     assert dtable.dtype == torch.bfloat16 and bool((dtable == 2.0).all())
     assert torch.equal(dq, torch.ones_like(q))
