@@ -335,6 +335,11 @@ def _spec(
     max_scores: bool = False,
 ) -> AttentionSpec:
     shape = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"float8 k/v ({k.dtype}, {v.dtype}) are not supported inside torch.compile yet "
+            "(Note [fp8 K/V]): call flexfa.attention outside the compiled region"
+        )
     B, Hq, _, Lq, Lkv, _, _ = shape
     if mask is None:
         from flexfa.blockmask.bind import _noop

@@ -385,6 +385,8 @@ def prepared(
     key: tuple | None = (
         spec.score_mod.key if spec.score_mod is not None else None,
         spec.dtype,
+        spec.k_dtype,
+        spec.v_dtype,
         spec.device,
         spec.batch,
         spec.heads_q,
@@ -505,7 +507,7 @@ def launches(
 def _label(spec: AttentionSpec, mask) -> str:
     sm = spec.score_mod.name if spec.score_mod else "none"
     mm = mask.name if mask else "none"
-    return f"(score_mod={sm}, mask_mod={mm}, {spec.dtype}, D={spec.head_dim})"
+    return f"(score_mod={sm}, mask_mod={mm}, {spec.dtype_name}, D={spec.head_dim})"
 
 
 def _launch(plan, spec, name, kernel, grid, args, constexprs, cfg, label) -> KernelLaunch:
