@@ -172,18 +172,22 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: str = "k
     """Raise TypeError unless q has a supported dtype and k and v each have q's dtype or a float8
     dtype (Note [fp8 K/V]). `kv` names k and v in messages ("k_pages and v_pages" for pools)."""
     k_name, v_name = kv.split(" and ")
-    if q.dtype not in SUPPORTED_DTYPES:
-        fp8 = " (float8 is supported for k and v only)" if q.dtype in FP8_DTYPES else ""
+    expected = "expected one of float16, bfloat16, float32, float64"
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        if t.dtype in SUPPORTED_DTYPES or (name != "q" and t.dtype in FP8_DTYPES):
+            continue
+        if name == "q":
+            fp8 = " (float8 is supported for k and v only)" if t.dtype in FP8_DTYPES else ""
+            raise TypeError(f"q has dtype {t.dtype}; {expected}{fp8}")
         raise TypeError(
-            f"q has dtype {q.dtype}; expected one of float16, bfloat16, float32, float64{fp8}"
+            f"{name} has dtype {t.dtype}; {expected} (q's), or float8_e4m3fn or float8_e5m2"
         )
-    for name, t in ((k_name, k), (v_name, v)):
-        if t.dtype != q.dtype and t.dtype not in FP8_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype} but q has {q.dtype}: {kv} must each have q's dtype "
-                "or a float8 dtype (torch.float8_e4m3fn, torch.float8_e5m2), read as fp8 and "
-                "upcast to q's dtype in the kernel"
-            )
+    if any(t.dtype != q.dtype and t.dtype not in FP8_DTYPES for t in (k, v)):
+        raise TypeError(
+            f"q, {kv} must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}; {kv} may "
+            "also be float8 (torch.float8_e4m3fn, torch.float8_e5m2), read as fp8 and upcast to "
+            "q's dtype in the kernel"
+        )
 
 
 # Note [fp8 K/V]
