@@ -61,8 +61,10 @@ def attention(
 
     Args:
         q: (B, Hq, Lq, E) queries; k: (B, Hkv, Lkv, E) keys; v: (B, Hkv, Lkv, Ev) values; one
-            dtype among float16, bfloat16, float32 (and float64 on the tiled backend). k and v
-            may have batch size 1, shared by every query batch element (never expanded).
+            dtype among float16, bfloat16, float32 (and float64 on the tiled backend); k and v
+            may instead be float8_e4m3fn or float8_e5m2 (an fp8 KV cache, read as fp8 and
+            upcast in the kernel; no backward, as in torch: Note [fp8 K/V] in flexfa/spec.py).
+            k and v may have batch size 1, shared by every query batch element (never expanded).
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled score
             (e.g. `flexfa.mods.alibi`). It may read captured tensors; those that require grad get
             gradients.
