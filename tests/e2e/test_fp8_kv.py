@@ -22,6 +22,7 @@ import torch
 
 import flexfa
 from flexfa.codegen.triton import decode
+from flexfa.compiled import compiled_attention
 from flexfa.reference import reference_attention
 from tests.e2e.harness import INTERPRETER_TILES
 from tests.tolerance import ThreeWay
@@ -192,6 +193,12 @@ def test_dtype_errors_are_clear():
     table, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(TypeError, match=r"q, k_pages and v_pages must share a dtype"):
         flexfa.attention(q, pool, pool.to(E4M3), page_table=table, kv_lens=lens)
+    # What flexfa.attention calls while torch.compile traces: refused there for now.
+    with pytest.raises(TypeError, match=r"not supported inside torch\.compile yet"):
+        compiled_attention(
+            q, k, v, None, None, scale=None, enable_gqa=False, backend="auto",
+            kernel_options=None, deterministic=False,
+        )  # fmt: skip
 
 
 def test_backends_explain_fp8():
