@@ -9,6 +9,9 @@ output is checked against flexfa on the same fp8 values upcast to bf16 (relative
 configs]) to show what the larger tile gives.
 
     python bench/fp8_decode.py [--lkv 32768,131072] [--lq 1,4] [--rep 100] [--e5m2]
+        [--paged [--page 128]]
+
+`--paged` adds the same caches as page pools (pages of --page keys in random order), bf16 and fp8.
 
 One JSON line per measurement, a table at the end; $OUT/fp8_decode.json when OUT is set.
 """
@@ -30,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexfa
+from bench.decode import paged_copy
 
 DEV, DT = "cuda", torch.bfloat16
 B, HQ, HKV, D = 8, 32, 8, 128
@@ -51,6 +55,8 @@ def main() -> None:
     ap.add_argument("--lq", default="1,4")
     ap.add_argument("--rep", type=int, default=100, help="do_bench milliseconds per measurement")
     ap.add_argument("--e5m2", action="store_true", help="also time a float8_e5m2 cache")
+    ap.add_argument("--paged", action="store_true", help="also bf16 and fp8 paged caches")
+    ap.add_argument("--page", type=int, default=128, help="page size of --paged")
     a = ap.parse_args()
     start = time.perf_counter()
     records: list[dict] = []
@@ -105,10 +111,24 @@ def main() -> None:
                         rel_err_vs_upcast=err,
                     )
                     torch.cuda.empty_cache()
+                if a.paged:
+                    for name, dt in (("paged bf16", DT), ("paged fp8", torch.float8_e4m3fn)):
+                        kp, vp, pt, lens = paged_copy(k16 / 8, v16, a.page)  # in bf16
+                        kp, vp = kp.to(dt), vp.to(dt)
+                        mod = dequant if dt != DT else None
+                        fn = lambda: flexfa.attention(
+                            q, kp, vp, mod, enable_gqa=True, page_table=pt, kv_lens=lens
+                        )
+                        us = bench(fn, a.rep)
+                        row[name] = us
+                        emit(Lq=lq, Lkv=lkv, kv=name, us=us, tokens_s=B * lq / us * 1e6)
+                        kp = vp = None
+                    if "paged fp8" in row:
+                        emit(Lq=lq, Lkv=lkv, paged_fp8_vs_bf16=row["paged bf16"] / row["paged fp8"])
             table.append(row)
         torch.cuda.empty_cache()
 
-    names = ["bf16"] + [n for n, _, _ in kinds]
+    names = ["bf16"] + [n for n, _, _ in kinds] + (["paged bf16", "paged fp8"] if a.paged else [])
     print("\n| Lq, Lkv | " + " | ".join(f"{n} µs" for n in names) + " | fp8 vs bf16 tokens/s |")
     print("|---" * (len(names) + 2) + "|")
     for r in table:

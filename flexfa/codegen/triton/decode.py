@@ -186,7 +186,8 @@ def default_config(
     else:
         # Note [Decode configs]: fp8 K/V take tiles of twice the keys, the same bytes per tile.
         one_byte = spec.k_dtype.itemsize == spec.v_dtype.itemsize == 1
-        block_n = 128 if one_byte else 64
+        page = spec.paged.page_size if spec.paged is not None else 128
+        block_n = 128 if one_byte and page % 128 == 0 else 64
         warps = 4 if block_m <= 64 else 8
         stages = 3
     block_n = cfgs._largest_pow2_divisor(sparse_kv, opts.get("decode_block_n", block_n))
@@ -224,7 +225,8 @@ def default_config(
 # have 128 keys rather than 64: the same bytes per load and in flight per pipeline stage as a 16-bit
 # cache, and half as many loop iterations. Its registers are those of a 16-bit cache with 128-key
 # tiles, which measured within 1-4% of 64-key tiles (docs/performance.md); the K/V tiles are
-# converted to q's dtype after they reach registers.
+# converted to q's dtype after they reach registers. Paged caches whose pages are not a multiple of
+# 128 keys keep 64-key tiles, which look up one page id per tile rather than one per key.
 #
 # Note [Fused merge]
 # With splits, each split writes its normalized partial output and base-2 LSE, then takes a ticket
