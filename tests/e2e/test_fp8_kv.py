@@ -273,3 +273,43 @@ def test_fp8_kv_on_gpu(kv_dtype, len_q, decode_calls):
         out, lse = flexfa.attention(q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True)
     _check(out, lse, q, k, v, score_mod, mask_mod, f"Lq={len_q} {kv_dtype}", enable_gqa=True)
     assert len(decode_calls) == int(len_q <= 64)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("len_q", [1, 4])
+def test_fp8_decode_makes_no_upcast_copy(len_q):
+    """The decode call's peak memory stays far below one bf16 copy of K/V (they are read as fp8),
+    and a paged fp8 cache gives what the contiguous one gives."""
+    dev = "cuda"
+    B, Hq, Hkv, Lkv, E = 2, 8, 2, 65536, 128
+    q, k, v, k_scale = _inputs(B, Hq, Hkv, len_q, Lkv, E, torch.bfloat16, E4M3, E4M3, device=dev)
+    score_mod = _per_head(k_scale)
+    with torch.no_grad():
+        flexfa.attention(q, k, v, score_mod, enable_gqa=True)  # compile, allocate caches
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        out = flexfa.attention(q, k, v, score_mod, enable_gqa=True)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base
+        upcast_bytes = 2 * k.numel() * 2
+        assert extra < upcast_bytes / 8, (
+            f"{extra} bytes allocated; a bf16 K/V copy is {upcast_bytes}"
+        )
+        page = 128
+        pages = Lkv // page
+        perm = torch.randperm(B * pages, device=dev)
+        table = perm.view(B, pages).int()
+
+        def pool(x):
+            flat = x.view(torch.uint8).view(B, Hkv, pages, page, E).transpose(1, 2)
+            out = torch.empty(B * pages, Hkv, page, E, dtype=torch.uint8, device=dev)
+            out[perm] = flat.reshape(-1, Hkv, page, E)
+            return out.view(x.dtype)
+
+        lens = torch.full((B,), Lkv, dtype=torch.int32, device=dev)
+        out_p = flexfa.attention(
+            q, pool(k), pool(v), score_mod, enable_gqa=True, page_table=table, kv_lens=lens
+        )
+    rel = float((out_p.float() - out.float()).norm() / out.float().norm())
+    assert rel < 1e-2, f"paged fp8 differs from contiguous fp8 by {rel:.3g} (relative)"
