@@ -90,7 +90,8 @@ def _check(out, lse, q, k, v, score_mod, mask_mod, context, **kw):
     eager, eager_lse = reference_attention(
         q, k.to(q.dtype), v.to(q.dtype), score_mod, mask_mod, dtype=q.dtype, **kw
     )
-    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    assert out.dtype == q.dtype and lse.dtype == lse_dtype
     check = ThreeWay(q.dtype, context=context)
     check("out", out, eager, ref)
     check("lse", lse, eager_lse, ref_lse)
@@ -107,6 +108,8 @@ CASES = [
     ("triton", torch.float16, E5M2, E5M2, 2, 1, 21, 21, "tensor", False),
     ("triton", torch.float16, E4M3, E4M3, 8, 2, 1, 37, "head", True),
     ("triton", torch.float16, E5M2, E4M3, 8, 2, 4, 37, "head", True),
+    ("triton", torch.float32, E4M3, E5M2, 4, 2, 4, 37, "tensor", True),  # torch takes fp32 q too
+    ("tiled", torch.float64, E5M2, E4M3, 4, 2, 5, 19, "head", False),
 ]
 
 
