@@ -202,8 +202,10 @@ def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: str = "k
 # applies them through a captured tensor (`score * k_scale[h]`); a V scale multiplies the output.
 # Gradients: torch refuses a backward with mixed dtypes, and so does flexfa, when the backward is
 # asked for (flexfa.api: the forward runs without autograd and the outputs carry a grad_fn that
-# raises). Other mixed dtypes (a bfloat16 k with a float16 q) are refused: the conversion would
-# round. Inside torch.compile and context parallelism fp8 K/V are not supported yet.
+# raises). Other mixed dtypes (a bfloat16 k with a float16 q, a float32 v with a bfloat16 q) are
+# refused, although torch's eager path takes them (it computes q @ k^T in float32): a kernel would
+# have to round one operand to the other's dtype or multiply in float32. Inside torch.compile and
+# context parallelism fp8 K/V are not supported yet.
 
 
 # Note [K/V batch broadcast]
