@@ -61,8 +61,10 @@ def attention(
 
     Args:
         q: (B, Hq, Lq, E) queries; k: (B, Hkv, Lkv, E) keys; v: (B, Hkv, Lkv, Ev) values; one
-            dtype among float16, bfloat16, float32 (and float64 on the tiled backend). k and v
-            may have batch size 1, shared by every query batch element (never expanded).
+            dtype among float16, bfloat16, float32 (and float64 on the tiled backend); k and v
+            may instead be float8_e4m3fn or float8_e5m2 (an fp8 KV cache, read as fp8 and
+            upcast in the kernel; no backward, as in torch: Note [fp8 K/V] in flexfa/spec.py).
+            k and v may have batch size 1, shared by every query batch element (never expanded).
         score_mod: `score_mod(score, b, h, q_idx, kv_idx) -> score`, applied to the scaled score
             (e.g. `flexfa.mods.alibi`). It may read captured tensors; those that require grad get
             gradients.
@@ -146,10 +148,11 @@ def attention(
     if want_max:
         spec = dataclasses.replace(spec, max_scores=True)
     impl = backends.select(backend, spec)
+    out, lse, *rest = impl.run(spec, q, k, v)
+    if spec.kv_fp8:
+        out, lse = _refuse_backward(spec, q, k, v, out, lse)
     if return_aux is not None:
-        out, lse, *rest = impl.run(spec, q, k, v)
         return out, _aux_output(return_aux, lse, rest[0] if rest else None)
-    out, lse = impl.run(spec, q, k, v)
     return (out, lse) if return_lse else out
 
 
@@ -200,12 +203,9 @@ def build_spec(
         )
     traced_score = _trace_score_mod(score_mod, Hq, q.device)
     bm = resolve_block_mask(block_mask, B, Hq, Lq, Lkv, q.device)
-    needs_grad = torch.is_grad_enabled() and (
-        q.requires_grad
-        or k.requires_grad
-        or v.requires_grad
-        or (traced_score is not None and bool(traced_score.grad_slots()))
-    )
+    needs_grad = _wants_grad(q, k, v, traced_score)
+    if needs_grad and (k.dtype != q.dtype or v.dtype != q.dtype):
+        needs_grad = False  # Note [fp8 K/V]: no backward; `attention` makes asking for one raise
     if paged is not None and needs_grad:
         raise ValueError(
             "paged KV caches are for inference: call under torch.no_grad(), or with q, the pools "
@@ -223,7 +223,48 @@ def build_spec(
         # A paged pool's first dimension counts pages: the page table holds one row per sequence.
         batch_kv=k.shape[0] if paged is None else B,
         paged=paged,
+        k_dtype=k.dtype,
+        v_dtype=v.dtype,
     )
+
+
+def _wants_grad(q, k, v, traced_score: TracedMod | None) -> bool:
+    return torch.is_grad_enabled() and (
+        q.requires_grad
+        or k.requires_grad
+        or v.requires_grad
+        or (traced_score is not None and bool(traced_score.grad_slots()))
+    )
+
+
+class _NoBackward(torch.autograd.Function):
+    """Passes (out, lse) through; their backward raises (Note [fp8 K/V] in flexfa/spec.py). The
+    inputs that ask for gradients are arguments only so that autograd links the outputs to them."""
+
+    @staticmethod
+    def forward(ctx, message: str, out, lse, *inputs):
+        ctx.message = message
+        return out.view_as(out), lse.view_as(lse)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(ctx.message)
+
+
+def _refuse_backward(spec: AttentionSpec, q, k, v, out, lse):
+    """(out, lse) of an fp8 K/V call, made to raise a clear error if a backward reaches them."""
+    inputs = [t for t in (q, k, v) if t.requires_grad]
+    if spec.score_mod is not None:
+        inputs += [t for t in spec.score_mod.tensors if t.requires_grad]
+    if not (torch.is_grad_enabled() and inputs):
+        return out, lse
+    msg = (
+        f"flexfa cannot differentiate attention with k of dtype {k.dtype} and v of {v.dtype} "
+        f"(q is {q.dtype}); like torch FlexAttention, its backward needs q, k and v of one "
+        "dtype. Run inference under torch.no_grad() (or pass q.detach()), or upcast k and v "
+        "to q's dtype to train."
+    )
+    return _NoBackward.apply(msg, out, lse, *inputs)
 
 
 def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):

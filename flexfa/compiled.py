@@ -335,6 +335,7 @@ def _spec(
     max_scores: bool = False,
 ) -> AttentionSpec:
     shape = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
+    _check_same_dtype(q, k, v)
     B, Hq, _, Lq, Lkv, _, _ = shape
     if mask is None:
         from flexfa.blockmask.bind import _noop
@@ -506,6 +507,7 @@ def compiled_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`flexfa.attention` while torch.compile traces: (out, lse, max_scores) from the ops above
     (max_scores empty unless asked for)."""
+    _check_same_dtype(q, k, v)
     options = tuple(sorted((kernel_options or {}).items()))
     heads = None
     if isinstance(score_mod, HeadsDependentMod):  # bound in the ops, per number of heads
@@ -526,6 +528,15 @@ def compiled_attention(
         resolve_scale(scale, q.shape[-1]), grad_mask, max_scores,
     )  # fmt: skip
     return out, lse, row_max
+
+
+def _check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"k and v of dtypes {k.dtype} and {v.dtype} with q of {q.dtype} are not supported "
+            "inside torch.compile yet (Note [fp8 K/V] in flexfa/spec.py): call flexfa.attention "
+            "with fp8 K/V outside the compiled region"
+        )
 
 
 def _mask_root(block_mask: Any) -> Any:

@@ -30,7 +30,7 @@ import weakref
 
 import torch
 
-from flexfa.spec import SUPPORTED_DTYPES
+from flexfa.spec import check_dtypes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -111,10 +111,6 @@ def validate_paged(
                 else "(num_pages, heads, page_size, head_dim)"
             )
             raise ValueError(f"{name} must have 4 dims {what}, got shape {tuple(t.shape)}")
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64"
-            )
     for name, t, ndim in (("page_table", page_table, 2), ("kv_lens", kv_lens, 1)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -127,11 +123,7 @@ def validate_paged(
     assert isinstance(q, torch.Tensor) and isinstance(k_pages, torch.Tensor)
     assert isinstance(v_pages, torch.Tensor) and isinstance(page_table, torch.Tensor)
     assert isinstance(kv_lens, torch.Tensor)
-    if not (q.dtype == k_pages.dtype == v_pages.dtype):
-        raise TypeError(
-            f"q, k_pages and v_pages must share a dtype, got {q.dtype}, {k_pages.dtype} and "
-            f"{v_pages.dtype}"
-        )
+    check_dtypes(q, k_pages, v_pages, kv="k_pages and v_pages")  # Note [fp8 K/V]
     devices = {t.device for t in (q, k_pages, v_pages, page_table, kv_lens)}
     if len(devices) != 1:
         raise ValueError(

@@ -116,6 +116,9 @@ def reference_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention with mods, computed in `dtype`. Returns (out in `dtype`, lse in `dtype`).
 
+    k and v may be float8 (Note [fp8 K/V] in flexfa/spec.py): like every input they are converted
+    to `dtype`, which is exact for float64, float32, float16 and bfloat16.
+
     1. s = (q @ k^T) * scale, with scale = 1/sqrt(E) by default; query head h uses KV head
        h // (Hq // Hkv); k and v of batch size 1 serve every query batch element.
     2. s = score_mod(s, b, h, q_idx, kv_idx) at every pair, with int32 indices (Note [Mods are
@@ -127,6 +130,7 @@ def reference_attention(
     """
     B, Hq, Lq, E = q.shape
     Hkv, Lkv = k.shape[1], k.shape[2]
+    k, v = k.to(dtype), v.to(dtype)  # before expanding: float8 K/V upcast once, exactly
     if k.shape[0] != B:  # K/V batch broadcast: autograd sums dk/dv over the batch
         k, v = k.expand(B, *k.shape[1:]), v.expand(B, *v.shape[1:])
     if Hq != Hkv:

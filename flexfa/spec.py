@@ -15,6 +15,8 @@ if TYPE_CHECKING:
     from flexfa.paged import PagedKV
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+#: K/V may hold one of these with a query of any supported dtype (Note [fp8 K/V]).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -50,8 +52,18 @@ class AttentionSpec:
     capture_grads: frozenset[int] | None = None
     #: Also return the row max of the modified scores (`return_aux=AuxRequest(max_scores=True)`).
     max_scores: bool = False
+    #: K's and V's dtypes: `dtype` (q's) or a float8 dtype (Note [fp8 K/V]); None: q's.
+    k_dtype: torch.dtype | None = None
+    v_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
+        for name in ("k_dtype", "v_dtype"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.dtype)
+            elif getattr(self, name) not in (self.dtype, *FP8_DTYPES):
+                raise ValueError(
+                    f"{name} must be q's dtype or a float8 dtype, got {getattr(self, name)}"
+                )
         if self.batch_kv == 0:
             object.__setattr__(self, "batch_kv", self.batch)
         if self.batch_kv not in (1, self.batch):
@@ -60,6 +72,20 @@ class AttentionSpec:
             raise ValueError(
                 f"heads_q ({self.heads_q}) must be a multiple of heads_kv ({self.heads_kv})"
             )
+
+    @property
+    def kv_fp8(self) -> bool:
+        """Whether K or V is stored in a float8 dtype (Note [fp8 K/V])."""
+        return self.k_dtype in FP8_DTYPES or self.v_dtype in FP8_DTYPES
+
+    @property
+    def dtype_name(self) -> str:
+        """q's dtype, and K's and V's where they differ from it: the dtype part of kernel keys and
+        labels, e.g. "bfloat16" or "bfloat16, k float8_e4m3fn, v float8_e4m3fn"."""
+        name = _short(self.dtype)
+        if self.kv_fp8:
+            name += f", k {_short(self.k_dtype)}, v {_short(self.v_dtype)}"
+        return name
 
     @property
     def group_size(self) -> int:
@@ -98,15 +124,10 @@ def validate_qkv(q: object, k: object, v: object, *, enable_gqa: bool) -> QKVSha
             raise ValueError(
                 f"{name} must have 4 dims (batch, heads, seq_len, head_dim), got shape {tuple(t.shape)}"
             )
-        if t.dtype not in SUPPORTED_DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; expected one of float16, bfloat16, float32, float64"
-            )
     assert (
         isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)
     )
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"q, k and v must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}")
+    check_dtypes(q, k, v)
     if not (q.device == k.device == v.device):
         raise ValueError(
             f"q, k and v must be on one device, got {q.device}, {k.device} and {v.device}"
@@ -147,6 +168,46 @@ def validate_qkv(q: object, k: object, v: object, *, enable_gqa: bool) -> QKVSha
     return B, Hq, Hkv, Lq, Lkv, E, Ev
 
 
+def check_dtypes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: str = "k and v") -> None:
+    """Raise TypeError unless q has a supported dtype and k and v each have q's dtype or a float8
+    dtype (Note [fp8 K/V]). `kv` names k and v in messages ("k_pages and v_pages" for pools)."""
+    k_name, v_name = kv.split(" and ")
+    expected = "expected one of float16, bfloat16, float32, float64"
+    for name, t in (("q", q), (k_name, k), (v_name, v)):
+        if t.dtype in SUPPORTED_DTYPES or (name != "q" and t.dtype in FP8_DTYPES):
+            continue
+        if name == "q":
+            fp8 = " (float8 is supported for k and v only)" if t.dtype in FP8_DTYPES else ""
+            raise TypeError(f"q has dtype {t.dtype}; {expected}{fp8}")
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; {expected} (q's), or float8_e4m3fn or float8_e5m2"
+        )
+    if any(t.dtype != q.dtype and t.dtype not in FP8_DTYPES for t in (k, v)):
+        raise TypeError(
+            f"q, {kv} must share a dtype, got {q.dtype}, {k.dtype} and {v.dtype}; {kv} may "
+            "also be float8 (torch.float8_e4m3fn, torch.float8_e5m2), read as fp8 and upcast to "
+            "q's dtype in the kernel"
+        )
+
+
+# Note [fp8 K/V]
+# As torch FlexAttention allows, k and v may be float8 (float8_e4m3fn or float8_e5m2, each
+# independently) while q is float16, bfloat16, float32 or float64: an fp8 KV cache, half the bytes
+# of a bf16 one. The result is what torch's eager flex_attention computes, which is attention on
+# K/V upcast to q's dtype: every fp8 value is exactly representable in float16 and bfloat16, so
+# the upcast loses nothing. Scores and the softmax are computed in float32 as for any call, the
+# output has q's dtype. Kernels read K/V tiles as fp8 from memory and convert them in registers
+# (the Triton kernels) or one step of columns at a time (the tiled backend); no upcast copy of K/V
+# is ever made. Scales (per tensor or per head) are not arguments: as in torch, a score_mod
+# applies them through a captured tensor (`score * k_scale[h]`); a V scale multiplies the output.
+# Gradients: torch refuses a backward with mixed dtypes, and so does flexfa, when the backward is
+# asked for (flexfa.api: the forward runs without autograd and the outputs carry a grad_fn that
+# raises). Other mixed dtypes (a bfloat16 k with a float16 q, a float32 v with a bfloat16 q) are
+# refused, although torch's eager path takes them (it computes q @ k^T in float32): a kernel would
+# have to round one operand to the other's dtype or multiply in float32. Inside torch.compile and
+# context parallelism fp8 K/V are not supported yet.
+
+
 # Note [K/V batch broadcast]
 # As in torch FlexAttention, k and v may have batch size 1 while q has B: every query batch element
 # attends to the same keys (a shared prefix, one KV cache for many queries). Nothing is expanded:
@@ -180,6 +241,10 @@ def spec_from_shape(shape: QKVShape, q: torch.Tensor, **fields: Any) -> Attentio
         device=q.device,
         **fields,
     )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_scale(scale: object, head_dim: int) -> float:

@@ -87,6 +87,11 @@ class Fa4Backend(Backend):
     auto_device_types = frozenset()
 
     def supports(self, spec: AttentionSpec) -> Support:
+        if spec.kv_fp8:
+            return Support.no(
+                f"FA4's kernels read K/V in q's dtype; float8 K/V (k {spec.k_dtype}, v "
+                f"{spec.v_dtype}) would need an upcast copy (the triton backend reads them as fp8)"
+            )
         missing = missing_package()
         if missing is not None:
             return Support.no(missing)

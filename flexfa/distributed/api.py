@@ -146,6 +146,11 @@ def context_parallel_attention(
     """
     g = resolve_group(group)
     B, Hq, Hkv, Lq, Lkv, E, Ev = validate_qkv(q, k, v, enable_gqa=enable_gqa)
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"context parallel attention needs k and v in q's dtype ({q.dtype}), got {k.dtype} "
+            f"and {v.dtype}: float8 K/V are not supported here yet"
+        )
     if Lq != Lkv:
         raise ValueError(
             f"q and k shards must have one length (one sequence sharded), got {Lq} and {Lkv}"

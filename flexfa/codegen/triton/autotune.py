@@ -75,7 +75,7 @@ def tuning_key(module_digest: str, device: torch.device, spec) -> str:
     fields = (
         module_digest,
         name,
-        str(spec.dtype),
+        spec.dtype_name if spec.kv_fp8 else str(spec.dtype),  # Note [fp8 K/V]
         spec.head_dim,
         spec.head_dim_v,
         spec.group_size,

@@ -163,7 +163,7 @@ class Launcher:
         spec = self.spec
         sm = spec.score_mod.name if spec.score_mod else "none"
         mm = self.mask.name if self.mask else "none"
-        return f"{kernel} (score_mod={sm}, mask_mod={mm}, {spec.dtype}, D={spec.head_dim})"
+        return f"{kernel} (score_mod={sm}, mask_mod={mm}, {spec.dtype_name}, D={spec.head_dim})"
 
     def _mod_args(self, score_tensors: tuple[torch.Tensor, ...]) -> list:
         mask_tensors = self.mask.tensors if self.mask is not None else ()

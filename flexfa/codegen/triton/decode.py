@@ -185,7 +185,10 @@ def default_config(
     if capability is None:
         block_n, warps, stages = 16, 4, 1
     else:
-        block_n = 64
+        # Note [Decode configs]: fp8 K/V take tiles of twice the keys, the same bytes per tile.
+        one_byte = spec.k_dtype.itemsize == spec.v_dtype.itemsize == 1
+        page = spec.paged.page_size if spec.paged is not None else 128
+        block_n = 128 if one_byte and page % 128 == 0 else 64
         warps = 4 if block_m <= 64 else 8
         stages = 3
     block_n = cfgs._largest_pow2_divisor(sparse_kv, opts.get("decode_block_n", block_n))
@@ -219,6 +222,12 @@ def default_config(
 # 25% at Lq=16 and matched them at Lq=1 and 4; 2 splits lost 35-60% (docs/performance.md). A split
 # shorter than a few KV tiles costs more in its partial output and the merge than it saves, hence
 # _MIN_TILES_PER_SPLIT.
+# An fp8 KV cache (Note [fp8 K/V] in flexfa/spec.py) holds half the bytes per key, so its tiles
+# have 128 keys rather than 64: the same bytes per load and in flight per pipeline stage as a 16-bit
+# cache, and half as many loop iterations. Its registers are those of a 16-bit cache with 128-key
+# tiles, which measured within 1-4% of 64-key tiles (docs/performance.md); the K/V tiles are
+# converted to q's dtype after they reach registers. Paged caches whose pages are not a multiple of
+# 128 keys keep 64-key tiles, which look up one page id per tile rather than one per key.
 #
 # Note [Fused merge]
 # With splits, each split writes its normalized partial output and base-2 LSE, then takes a ticket
@@ -386,6 +395,8 @@ def prepared(
     key: tuple | None = (
         spec.score_mod.key if spec.score_mod is not None else None,
         spec.dtype,
+        spec.k_dtype,
+        spec.v_dtype,
         spec.device,
         spec.batch,
         spec.heads_q,
@@ -510,7 +521,7 @@ def launches(
 def _label(spec: AttentionSpec, mask) -> str:
     sm = spec.score_mod.name if spec.score_mod else "none"
     mm = mask.name if mask else "none"
-    return f"(score_mod={sm}, mask_mod={mm}, {spec.dtype}, D={spec.head_dim})"
+    return f"(score_mod={sm}, mask_mod={mm}, {spec.dtype_name}, D={spec.head_dim})"
 
 
 def _launch(plan, spec, name, kernel, grid, args, constexprs, cfg, label) -> KernelLaunch:

@@ -24,6 +24,8 @@ _DTYPES = {
     torch.bfloat16: "bf16",
     torch.float32: "fp32",
     torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8e4nv",
+    torch.float8_e5m2: "fp8e5",
     torch.int32: "i32",
     torch.int64: "i64",
     torch.int16: "i16",
@@ -87,8 +89,8 @@ def meta_device_launches(
     Lq, Lkv, E, Ev = spec.len_q, spec.len_kv, spec.head_dim, spec.head_dim_v
     dt = spec.dtype
     q = torch.empty(B, Hq, Lq, E, dtype=dt)
-    k = torch.empty(spec.batch_kv, Hkv, Lkv, E, dtype=dt)
-    v = torch.empty(spec.batch_kv, Hkv, Lkv, Ev, dtype=dt)
+    k = torch.empty(spec.batch_kv, Hkv, Lkv, E, dtype=spec.k_dtype)
+    v = torch.empty(spec.batch_kv, Hkv, Lkv, Ev, dtype=spec.v_dtype)
     out = torch.empty(B, Hq, Lq, Ev, dtype=dt)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32)
     score_tensors = tuple(spec.score_mod.tensors) if spec.score_mod is not None else ()

@@ -131,7 +131,7 @@ class KernelKey:
         return cls(
             module=module,
             kernel=kernel,
-            dtype=str(spec.dtype).removeprefix("torch."),
+            dtype=spec.dtype_name,  # with K/V's when float8 (Note [fp8 K/V])
             head_dim=spec.head_dim,
             head_dim_v=spec.head_dim_v,
             config=config,

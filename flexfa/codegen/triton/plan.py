@@ -59,6 +59,8 @@ def plan_key(spec: AttentionSpec, mask, capability, force_compiled: bool) -> tup
         capability,
         str(spec.device),
         spec.dtype,
+        spec.k_dtype,
+        spec.v_dtype,
         spec.head_dim,
         spec.head_dim_v,
         spec.group_size,

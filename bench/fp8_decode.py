@@ -1,0 +1,142 @@
+"""Decode with an fp8 KV cache against a bf16 one, on one GPU (Note [fp8 K/V] in flexfa/spec.py).
+
+Shape: B=8, Hq=32, Hkv=8 (GQA), D=128, bf16 queries; Lq in {1, 4}; Lkv in {32768, 131072}. The
+bf16 row reads a bf16 cache; the fp8 rows read a float8_e4m3fn (or e5m2) cache and dequantize K
+with a per-head scale in the score_mod (`score * k_scale[h]`), as an fp8 cache is used. Each
+output is checked against flexfa on the same fp8 values upcast to bf16 (relative error). Timing:
+`triton.testing.do_bench` medians; tokens/s = B * Lq / time; "vs bf16" is the tokens/s ratio
+(the goal: >= 1.8). "fp8 bn64" pins 64-key tiles (the default for fp8 is 128, Note [Decode
+configs]) to show what the larger tile gives.
+
+    python bench/fp8_decode.py [--lkv 32768,131072] [--lq 1,4] [--rep 100] [--e5m2]
+        [--paged [--page 128]]
+
+`--paged` adds the same caches as page pools (pages of --page keys in random order), bf16 and fp8.
+
+One JSON line per measurement, a table at the end; $OUT/fp8_decode.json when OUT is set.
+"""
+
+# The timed lambdas close over loop variables on purpose: each is called within its iteration.
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flexfa
+from bench.decode import paged_copy
+
+DEV, DT = "cuda", torch.bfloat16
+B, HQ, HKV, D = 8, 32, 8, 128
+
+
+def bench(fn, rep: int) -> float:
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=max(10, rep // 4), rep=rep, return_mode="median") * 1e3  # µs
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lkv", default="32768,131072")
+    ap.add_argument("--lq", default="1,4")
+    ap.add_argument("--rep", type=int, default=100, help="do_bench milliseconds per measurement")
+    ap.add_argument("--e5m2", action="store_true", help="also time a float8_e5m2 cache")
+    ap.add_argument("--paged", action="store_true", help="also bf16 and fp8 paged caches")
+    ap.add_argument("--page", type=int, default=128, help="page size of --paged")
+    a = ap.parse_args()
+    start = time.perf_counter()
+    records: list[dict] = []
+
+    def emit(**rec) -> None:
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "fp8_decode.json"), "w") as f:
+                json.dump(records, f, indent=1)
+
+    g = torch.Generator(device=DEV).manual_seed(0)
+    k_scale = torch.rand(HQ, device=DEV, generator=g) * 0.05 + 0.02  # dequantization, per head
+
+    def dequant(score, b, h, q_idx, kv_idx):
+        return score * k_scale[h]
+
+    kinds = [("fp8", torch.float8_e4m3fn, None), ("fp8 bn64", torch.float8_e4m3fn, 64)]
+    if a.e5m2:
+        kinds.append(("fp8 e5m2", torch.float8_e5m2, None))
+    table = []
+    for lkv in [int(x) for x in a.lkv.split(",")]:
+        k16 = torch.randn(B, HKV, lkv, D, device=DEV, dtype=DT, generator=g)
+        v16 = torch.randn(B, HKV, lkv, D, device=DEV, dtype=DT, generator=g)
+        for lq in [int(x) for x in a.lq.split(",")]:
+            q = torch.randn(B, HQ, lq, D, device=DEV, dtype=DT, generator=g)
+            row = {"Lq": lq, "Lkv": lkv}
+            with torch.no_grad():
+                fn = lambda: flexfa.attention(q, k16, v16, enable_gqa=True)
+                us = bench(fn, a.rep)
+                row["bf16"] = us
+                emit(Lq=lq, Lkv=lkv, kv="bf16", us=us, tokens_s=B * lq / us * 1e6)
+                for name, dt, block_n in kinds:
+                    k8 = (k16 / 8).to(dt)  # quantized with scale 8 (folded into k_scale's range)
+                    v8 = v16.to(dt)
+                    opts = {"decode_block_n": block_n} if block_n else None
+                    fn = lambda: flexfa.attention(
+                        q, k8, v8, dequant, enable_gqa=True, kernel_options=opts
+                    )
+                    want = flexfa.attention(q, k8.to(DT), v8.to(DT), dequant, enable_gqa=True)
+                    err = rel_err(fn(), want)
+                    want = None  # the upcast copy of this check only
+                    us = bench(fn, a.rep)
+                    row[name] = us
+                    emit(
+                        Lq=lq,
+                        Lkv=lkv,
+                        kv=name,
+                        us=us,
+                        tokens_s=B * lq / us * 1e6,
+                        vs_bf16=row["bf16"] / us,
+                        rel_err_vs_upcast=err,
+                    )
+                    torch.cuda.empty_cache()
+                if a.paged:
+                    for name, dt in (("paged bf16", DT), ("paged fp8", torch.float8_e4m3fn)):
+                        kp, vp, pt, lens = paged_copy(k16 / 8, v16, a.page)  # in bf16
+                        kp, vp = kp.to(dt), vp.to(dt)
+                        mod = dequant if dt != DT else None
+                        fn = lambda: flexfa.attention(
+                            q, kp, vp, mod, enable_gqa=True, page_table=pt, kv_lens=lens
+                        )
+                        us = bench(fn, a.rep)
+                        row[name] = us
+                        emit(Lq=lq, Lkv=lkv, kv=name, us=us, tokens_s=B * lq / us * 1e6)
+                        kp = vp = None
+                    if "paged fp8" in row:
+                        emit(Lq=lq, Lkv=lkv, paged_fp8_vs_bf16=row["paged bf16"] / row["paged fp8"])
+            table.append(row)
+        torch.cuda.empty_cache()
+
+    names = ["bf16"] + [n for n, _, _ in kinds] + (["paged bf16", "paged fp8"] if a.paged else [])
+    print("\n| Lq, Lkv | " + " | ".join(f"{n} µs" for n in names) + " | fp8 vs bf16 tokens/s |")
+    print("|---" * (len(names) + 2) + "|")
+    for r in table:
+        cells = [f"{r[n]:.0f}" if n in r else "-" for n in names]
+        ratio = r["bf16"] / r["fp8"] if "fp8" in r else float("nan")
+        print(f"| {r['Lq']}, {r['Lkv'] // 1024}k | " + " | ".join(cells) + f" | {ratio:.2f}× |")
+    emit(total_s=time.perf_counter() - start, device=torch.cuda.get_device_name())
+
+
+if __name__ == "__main__":
+    main()
