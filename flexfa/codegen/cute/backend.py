@@ -34,6 +34,7 @@ class Call:
     fwd_sparse: sparse.SparseLists | None = None
     bwd_sparse: sparse.SparseLists | None = None
     bwd_rows_80: bool = False
+    bwd_kv_group: int = 1  # > 1: the backward runs on K/V repeated per query head
 
 
 @functools.lru_cache(maxsize=256)
@@ -72,6 +73,17 @@ def backward_rows_80(has_score_mod: bool, head_dim: int) -> bool:
     return has_score_mod and 64 < head_dim <= 128
 
 
+# Note [GQA in FA4's score_mod backward]
+# FA4's sm90 backward walks one query head per work tile (it has no packed-GQA backward), yet it
+# hands its score_mod and score_mod_bwd the indices of packed GQA: q_idx // G and head
+# h * G + q_idx % G for G query heads per K/V head. The hooks then compute the scores of other
+# positions and heads, and the gradients are wrong (on the H200: dQ, dK, dV and the captured
+# tensors' gradients off by O(1) for a relative-position bias with G = 2, at head dims 64 and
+# 128). FA4's own score_mod backward tests use no GQA. So the backward of a call with a score_mod
+# and G > 1 runs FA4 as multi-head attention: K and V repeated per query head (a copy, G times
+# their size, for the backward only), and dK, dV summed over each group in float32. Without a
+# score_mod the native GQA backward is used; the forward is right with GQA and keeps it.
+
 # Note [Backward with a score_mod]
 # On the H200, FA4's sm90 backward with a score_mod gave wrong dQ, dK and dV wherever its tile had
 # 64 query rows: at head dims 65..96 always, and at 97..128 under FA4's native causal or window
@@ -98,6 +110,7 @@ def plan_call(
     deterministic: bool = False,
     block_mask: BlockMask | None = None,
     head_dim: int = 0,
+    group_size: int = 1,
 ) -> Call:
     """Mask lowerings of both passes and the generated hooks for one call's mods. With
     `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
@@ -129,6 +142,7 @@ def plan_call(
         fwd_sparse=fwd_sparse,
         bwd_sparse=bwd_sparse,
         bwd_rows_80=needs_grad and backward_rows_80(score is not None, head_dim),
+        bwd_kv_group=group_size if needs_grad and score is not None else 1,
     )
 
 
@@ -143,6 +157,7 @@ def make_call(spec: AttentionSpec) -> Call:
         deterministic=spec.deterministic,
         block_mask=spec.block_mask if spec.kernel_options.get("block_sparse") else None,
         head_dim=spec.head_dim,
+        group_size=spec.group_size,
     )
 
 
@@ -177,6 +192,9 @@ class _Fa4Function(torch.autograd.Function):
         ]
         aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
         aux += [g.reshape(1) if g.ndim == 0 else g for g in grads]
+        group = call.bwd_kv_group
+        if group > 1:  # Note [GQA in FA4's score_mod backward]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dq, dk, dv = launch.backward(
             q,
             k,
@@ -193,6 +211,8 @@ class _Fa4Function(torch.autograd.Function):
             block_sparse=call.bwd_sparse,
             rows_80=call.bwd_rows_80,
         )
+        if group > 1:
+            dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))
         capture_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
         for slot, g in zip(call.grad_slots, grads):
             capture_grads[slot] = g.to(score_tensors[slot].dtype)

@@ -131,3 +131,33 @@ def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
     assert seen["bwd"] == ("causal", [(4, 65), (4, 65)], True)
     assert dtable.dtype == torch.bfloat16 and bool((dtable == 2.0).all())
     assert torch.equal(dq, torch.ones_like(q))
+
+
+def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
+    """Note [GQA in FA4's score_mod backward]: FA4 gets K/V repeated per query head, and dK, dV
+    come back summed over each group of query heads."""
+    from flexfa.codegen.cute import backend, launch
+
+    seen = {}
+
+    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, **kw):
+        seen["fwd_heads"] = k.shape[1]
+        return q * 1.0, torch.zeros(q.shape[:3]), q.transpose(1, 2).contiguous()
+
+    def backward(q, k, v, out_fa4, dout, lse, dlse, **kw):
+        seen["bwd_heads"] = (k.shape[1], v.shape[1])
+        assert torch.equal(k[:, 0], k[:, 1]) and torch.equal(k[:, 2], k[:, 3])
+        head = torch.arange(4, dtype=q.dtype).view(1, 4, 1, 1)
+        return torch.zeros_like(q), torch.ones_like(k) * head, torch.ones_like(v)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+    q = torch.randn(1, 4, 64, 32, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(1, 2, 64, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    spec = build_spec(q, k, v, flexfa.mods.softcap(20.0), flexfa.masks.causal, enable_gqa=True)
+    out, _ = backend.run(spec, q, k, v)
+    dk, dv = torch.autograd.grad(out.float().sum(), [k, v])
+    assert seen == {"fwd_heads": 2, "bwd_heads": (4, 4)}
+    assert dk.shape == k.shape and dk[0, 0].unique().tolist() == [1.0]  # heads 0 + 1
+    assert dk[0, 1].unique().tolist() == [5.0] and bool((dv == 2.0).all())  # heads 2 + 3

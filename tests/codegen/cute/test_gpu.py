@@ -83,6 +83,11 @@ CASES = [
     GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod"),
     GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, bf16, relative_bias, "causal"),
     GpuCase("relative_bias", 1, 4, 2, 1000, 1000, 64, bf16, relative_bias, "causal"),
+    # Native causal in the backward on 80-row tiles (Note [Backward with a score_mod]), without
+    # GQA; the GQA cases above run FA4's backward on repeated K/V (Note [GQA in FA4's score_mod
+    # backward]).
+    GpuCase("relative_bias", 1, 4, 4, 1531, 1531, 128, bf16, relative_bias, "causal"),
+    GpuCase("alibi_causal", 1, 8, 8, 1537, 1537, 128, f16, alibi_causal, "causal"),
     GpuCase("key_bias", 2, 4, 4, 513, 777, 64, bf16, _key_bias, "full"),
     GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, no_mask, "full"),
     GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod"),
