@@ -82,7 +82,7 @@ _tile_lock = threading.Lock()
 
 @contextlib.contextmanager
 def sm90_backward_rows_80() -> Iterator[None]:
-    """Within the block, FA4's sm90 backward takes its 80-row tiles at head dims 65..128 (Note
+    """Within the block, FA4's sm90 backward takes its 80-row tiles at head dims 97..128 (Note
     [Backward with a score_mod] in backend.py). FA4 picks its tiles in one private function of
     its interface, with no argument to choose them; it is replaced for the duration of the call,
     under a lock (the choice is read when FA4 compiles or looks up the kernel, inside the call)."""
@@ -91,7 +91,7 @@ def sm90_backward_rows_80() -> Iterator[None]:
     original = fa4_interface._tile_size_bwd_sm90
 
     def tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
-        if 64 < head_dim <= 128 and head_dim_v <= 128:
+        if 96 < head_dim <= 128 and head_dim_v <= 128:
             # FA4's non-causal head-dim-128 configuration: 80 x 128 tiles, dQ with swapped operands
             return original(128, 128, False, False, sparse_block_size_q)
         return original(head_dim, head_dim_v, causal, local, sparse_block_size_q)
