@@ -100,27 +100,30 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
 # kernels compute exactly enough (float32 accumulation of products of 16-bit values). An O rounded
 # to float16 (bfloat16) is off by up to half an ulp, about |O| 2**-11 (2**-8), so every ds_ij =
 # p_ij (dp_ij - delta_i) of row i carries the same error, whose sum over the row is the error of
-# delta_i itself. dq, dk and dv never see it (rows' errors mix with opposite signs and are small
-# beside the rounding of their own results), but a captured tensor's gradient is a sum of ds over
-# many pairs: a per-head bias `h16[h]` receives sum_i delta_i's errors, a query-indexed bias
-# `bias[h, q_idx]` gets exactly the error of delta_i (its true gradient is -dlse_i). The fuzzer
-# measured 4x the error of eager torch for a per-head float16 bias, all of it from delta: with
-# delta from the exact output the float32 gradient was within 2e-6 of the truth.
+# delta_i itself. dq, dk and dv hardly see it (beside the rounding of their own results), but a
+# captured tensor's gradient is a sum of ds over many pairs: a per-head bias `h16[h]` receives the
+# sum of every row's delta error, a query-indexed bias `bias[h, q_idx]` exactly its row's (its
+# true gradient is -dlse_i). For the fuzzer's per-head float16 bias (18 x 15) the float32 gradient
+# was 3.0e-3 off, 4x the error of the float16 eager reference; from the kernel's float32 output
+# it is 7.9e-4 off, and from the exact output 2e-6.
 #
 # So when captured tensors need gradients and the inputs are 16-bit, the forward also writes its
 # output in float32 (`WRITE_OUT_F32`, the same accumulator as the rounded store), the autograd
 # Function saves that copy instead of the rounded one, and the preprocess kernel, which upcasts
 # whatever it reads, computes delta from it. The gradient buffers were float32 already (atomics),
-# cast once to the tensor's dtype at the end.
+# cast once to the tensor's dtype at the end. What remains (the 7.9e-4 above) is the rounding of
+# p to the input dtype for the forward's P @ V product: eager torch rounds its probabilities too,
+# and splitting p into two 16-bit halves would double that product's cost, so it stays.
 #
 # Cost, only for such calls: the forward writes 4 more bytes per output element (B*Hq*Lq*Ev), the
 # preprocess reads 4 bytes per element instead of 2, and autograd keeps the float32 copy instead of
 # the 16-bit output (2 more bytes per element held until the backward). Against the forward's own
-# traffic (K and V re-read once per q tile) this is a few percent at short lengths and less beyond.
-# Calls without learnable captures compile the store out and are unchanged. The alternatives cost
-# more: delta needs dO, so the forward cannot compute it; recomputing sum_j p_ij dp_ij in the
-# backward is another pass over K and V. The tiled backend does the same (Note [Delta from the
-# unrounded output] in flexfa/backends/tiled.py), for every 16-bit call.
+# traffic (K and V re-read once per q tile) this is small (bench/unrounded_output_cost.py times
+# both kernels each way). Calls without learnable captures compile the store out and are
+# unchanged. The alternatives cost more: delta needs dO, so the forward cannot compute it;
+# recomputing sum_j p_ij dp_ij in the backward is another pass over K and V. The tiled backend
+# keeps its float32 output for every 16-bit call (Note [Delta from the unrounded output] in
+# flexfa/backends/tiled.py).
 
 
 class Launcher:
