@@ -199,8 +199,18 @@ class Launcher:
         )
 
     def _make(
-        self, name: str, kernel, grid, args: list, constexprs: dict, cfg, label: str
+        self,
+        name: str,
+        kernel,
+        grid,
+        args: list,
+        constexprs: dict,
+        cfg,
+        label: str,
+        key_extra: dict | None = None,
     ) -> KernelLaunch:
+        """`key_extra`: what else selects the compiled specialization (Triton specializes on the
+        dtypes of pointer arguments), recorded in the launch's key only."""
         num_warps = getattr(cfg, "num_warps", 4)
         num_stages = getattr(cfg, "num_stages", 1)
         return KernelLaunch(
@@ -211,7 +221,7 @@ class Launcher:
             constexprs=constexprs,
             num_warps=num_warps,
             num_stages=num_stages,
-            key=self._kernel_key(name, cfg, **constexprs),
+            key=self._kernel_key(name, cfg, **constexprs, **(key_extra or {})),
             label=self._label(label),
         )
 
@@ -361,6 +371,8 @@ class Launcher:
             self._make(
                 "bwd_preprocess", m.flexfa_bwd_preprocess, (triton_cdiv(Lq, pre_block), B * Hq),
                 pre_args, pre_constexprs, cfg, "backward preprocess",
+                # a 16-bit or float32 output (Note [Unrounded output for delta])
+                key_extra={"out_dtype": str(out.dtype).removeprefix("torch.")},
             ),
             self._make(
                 "bwd_dkdv", m.flexfa_bwd_dkdv,
