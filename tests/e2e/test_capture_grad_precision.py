@@ -12,7 +12,7 @@ Two setups:
 
 What made the Triton backend worse than eager was delta = rowsum(dO * O) from the rounded output
 (Note [Unrounded output for delta] in flexfa/codegen/triton/backend.py). A table indexed by q_idx
-alone shows it directly: its true gradient is -dlse per row, and its error is the error of delta.
+alone shows it directly: its true gradient is dlse per row, and its error is the error of delta.
 """
 
 from __future__ import annotations

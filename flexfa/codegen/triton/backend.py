@@ -103,7 +103,7 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
 # delta_i itself. dq, dk and dv hardly see it (beside the rounding of their own results), but a
 # captured tensor's gradient is a sum of ds over many pairs: a per-head bias `h16[h]` receives the
 # sum of every row's delta error, a query-indexed bias `bias[h, q_idx]` exactly its row's (its
-# true gradient is -dlse_i). For the fuzzer's per-head float16 bias (18 x 15) the float32 gradient
+# true gradient is dlse_i). For the fuzzer's per-head float16 bias (18 x 15) the float32 gradient
 # was 3.0e-3 off, 4x the error of the float16 eager reference; from the kernel's float32 output
 # it is 7.9e-4 off, and from the exact output 2e-6.
 #
