@@ -358,17 +358,20 @@ def _spec(
     )
 
 
-def saved_dtype(backend: str, device: torch.device, dtype: torch.dtype) -> torch.dtype | None:
+def saved_dtype(
+    backend: str, device: torch.device, dtype: torch.dtype, capture_grads: bool
+) -> torch.dtype | None:
     """The dtype of the forward's saved output, or None where the output itself is saved.
 
-    Decided from the device and dtype alone, since the fake implementation must know it: the
-    tiled backend keeps a float32 output for float16/bfloat16 inputs (Note [Delta from the
-    unrounded output]); the Triton kernels save their output as it is.
+    Decided from the call's description alone, since the fake implementation must know it: for
+    float16/bfloat16 inputs the tiled backend always keeps a float32 output (Note [Delta from the
+    unrounded output]), the Triton kernels only when a captured tensor needs a gradient (Note
+    [Unrounded output for delta] in flexfa/codegen/triton/backend.py).
     """
     if dtype in (torch.float32, torch.float64):
         return None
     triton = backend == "triton" or (backend == "auto" and device.type == "cuda")
-    return None if triton else torch.float32
+    return torch.float32 if capture_grads or not triton else None
 
 
 @torch.library.custom_op("flexfa::attention", mutates_args=())
@@ -393,7 +396,7 @@ def attention_op(
     spec = _spec(d, q, k, v, score, mask, scale, True, _slots(grad_mask), max_scores)
     impl = backends.select(d.backend, spec)
     out, lse, saved, row_max = impl.forward(spec, q, k, v)
-    want = saved_dtype(d.backend, q.device, q.dtype)
+    want = saved_dtype(d.backend, q.device, q.dtype, grad_mask != 0)
     saved = q.new_empty(0) if want is None else saved.to(want)
     return out, lse, saved, row_max.to(lse.dtype) if row_max is not None else lse.new_empty(0)
 
@@ -406,7 +409,7 @@ def _(q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask, max_
     out = q.new_empty(B, Hq, Lq, Ev)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(B, Hq, Lq, dtype=lse_dtype)
-    want = saved_dtype(d.backend, q.device, q.dtype)
+    want = saved_dtype(d.backend, q.device, q.dtype, grad_mask != 0)
     saved = q.new_empty(0) if want is None else q.new_empty(B, Hq, Lq, Ev, dtype=want)
     row_max = q.new_empty(B, Hq, Lq, dtype=lse_dtype) if max_scores else lse.new_empty(0)
     return out, lse, saved, row_max

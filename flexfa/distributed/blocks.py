@@ -207,12 +207,13 @@ def backward(
         from flexfa.codegen.triton.backend import Launcher
 
         # The CP block's q, k, v, out and LSE are row slices of larger tensors: the kernels get
-        # dense copies (dq, dk and dv are allocated like them).
+        # dense copies (dq, dk and dv are allocated like them). `out` stays float32: delta from
+        # the unrounded output (Note [Unrounded output for delta] in codegen/triton/backend.py).
         dq, dk, dv, grads = Launcher(spec).backward(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
-            out.to(q.dtype).contiguous(),
+            out.contiguous(),
             lse.contiguous(),
             dout,
             dlse,

@@ -100,6 +100,37 @@ def _capture_args(traced: TracedMod | None, tensors: tuple[torch.Tensor, ...]) -
     return emit.mod_values(traced, tensors)
 
 
+# Note [Unrounded output for delta]
+# The backward's delta_i = rowsum(dO_i * O_i) is subtracted from dp_ij = dO_i . v_j, which the
+# kernels compute exactly enough (float32 accumulation of products of 16-bit values). An O rounded
+# to float16 (bfloat16) is off by up to half an ulp, about |O| 2**-11 (2**-8), so every ds_ij =
+# p_ij (dp_ij - delta_i) of row i carries the same error, whose sum over the row is the error of
+# delta_i itself. dq, dk and dv hardly see it (beside the rounding of their own results), but a
+# captured tensor's gradient is a sum of ds over many pairs: a per-head bias `h16[h]` receives the
+# sum of every row's delta error, a query-indexed bias `bias[h, q_idx]` exactly its row's (its
+# true gradient is dlse_i). For the fuzzer's per-head float16 bias (18 x 15) the float32 gradient
+# was 3.0e-3 off, 4x the error of the float16 eager reference; from the kernel's float32 output
+# it is 7.9e-4 off, and from the exact output 2e-6.
+#
+# So when captured tensors need gradients and the inputs are 16-bit, the forward also writes its
+# output in float32 (`WRITE_OUT_F32`, the same accumulator as the rounded store), the autograd
+# Function saves that copy instead of the rounded one, and the preprocess kernel, which upcasts
+# whatever it reads, computes delta from it. The gradient buffers were float32 already (atomics),
+# cast once to the tensor's dtype at the end. What remains (the 7.9e-4 above) is the rounding of
+# p to the input dtype for the forward's P @ V product: eager torch rounds its probabilities too,
+# and splitting p into two 16-bit halves would double that product's cost, so it stays.
+#
+# Cost, only for such calls: the forward writes 4 more bytes per output element (B*Hq*Lq*Ev), the
+# preprocess reads 4 bytes per element instead of 2, and autograd keeps the float32 copy instead of
+# the 16-bit output (2 more bytes per element held until the backward). Against the forward's own
+# traffic (K and V re-read once per q tile) this is small (bench/unrounded_output_cost.py times
+# both kernels each way). Calls without learnable captures compile the store out and are
+# unchanged. The alternatives cost more: delta needs dO, so the forward cannot compute it;
+# recomputing sum_j p_ij dp_ij in the backward is another pass over K and V. The tiled backend
+# keeps its float32 output for every 16-bit call (Note [Delta from the unrounded output] in
+# flexfa/backends/tiled.py).
+
+
 class Launcher:
     """One call's kernels, configs and launch arguments (shared by forward and backward)."""
 
@@ -129,6 +160,7 @@ class Launcher:
                 plans[key] = found
         self.plan: Plan = found
         self.max_scores: torch.Tensor | None = None  # written by `forward` when the spec asks
+        self.saved_out: torch.Tensor | None = None  # set by `forward`
 
     # The plan's fields, read as the launcher's own (autotuning writes through to the plan).
     key = property(lambda self: self.plan.key)
@@ -172,8 +204,18 @@ class Launcher:
         )
 
     def _make(
-        self, name: str, kernel, grid, args: list, constexprs: dict, cfg, label: str
+        self,
+        name: str,
+        kernel,
+        grid,
+        args: list,
+        constexprs: dict,
+        cfg,
+        label: str,
+        key_extra: dict | None = None,
     ) -> KernelLaunch:
+        """`key_extra`: what else selects the compiled specialization (Triton specializes on the
+        dtypes of pointer arguments), recorded in the launch's key only."""
         num_warps = getattr(cfg, "num_warps", 4)
         num_stages = getattr(cfg, "num_stages", 1)
         return KernelLaunch(
@@ -184,7 +226,7 @@ class Launcher:
             constexprs=constexprs,
             num_warps=num_warps,
             num_stages=num_stages,
-            key=self._kernel_key(name, cfg, **constexprs),
+            key=self._kernel_key(name, cfg, **constexprs, **(key_extra or {})),
             label=self._label(label),
         )
 
@@ -214,18 +256,40 @@ class Launcher:
             HAS_FULL=self.flags.has_kv_full,
         )
 
+    @property
+    def saves_unrounded_output(self) -> bool:
+        """Whether the forward also writes its output in float32 for the backward (Note
+        [Unrounded output for delta])."""
+        return bool(self.grad_slots) and self.spec.dtype in (torch.float16, torch.bfloat16)
+
     def forward_launch(
-        self, q, k, v, out, lse, score_tensors, cfg: FwdConfig | None = None, max_scores=None
+        self,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        score_tensors,
+        cfg: FwdConfig | None = None,
+        max_scores=None,
+        out_f32=None,
     ) -> KernelLaunch:
-        """`max_scores` (laid out like `lse`): also write the row max of the modified scores."""
+        """`max_scores` (laid out like `lse`): also write the row max of the modified scores.
+        `out_f32` (float32, laid out like `out`): also write the output before its rounding."""
         spec = self.spec
         bm = spec.block_mask
         cfg = cfg or self.configs.fwd
         Lq, Lkv = spec.len_q, spec.len_kv
         constexprs = self._kv_side_constexprs(cfg.block_m, cfg.block_n)
         constexprs["WRITE_MAX"] = max_scores is not None
+        constexprs["WRITE_OUT_F32"] = out_f32 is not None
+        if out_f32 is not None and out_f32.stride() != out.stride():
+            raise ValueError(
+                f"out_f32 must be laid out like out: strides {out_f32.stride()} != {out.stride()}"
+            )
         args = [
             q, k, v, out, lse, lse if max_scores is None else max_scores,
+            out if out_f32 is None else out_f32,
             *q.stride(), *spec.kv_strides(k), *spec.kv_strides(v), *out.stride(),
             lse.stride(0), lse.stride(1),
             *_ListArgs(bm.kv_partial, bm.kv_full).args(),
@@ -312,6 +376,8 @@ class Launcher:
             self._make(
                 "bwd_preprocess", m.flexfa_bwd_preprocess, (triton_cdiv(Lq, pre_block), B * Hq),
                 pre_args, pre_constexprs, cfg, "backward preprocess",
+                # a 16-bit or float32 output (Note [Unrounded output for delta])
+                key_extra={"out_dtype": str(out.dtype).removeprefix("torch.")},
             ),
             self._make(
                 "bwd_dkdv", m.flexfa_bwd_dkdv,
@@ -329,21 +395,28 @@ class Launcher:
         return launches
 
     def forward(self, q, k, v, score_tensors):
+        """(out, lse); also sets `max_scores` when the spec asks for it and `saved_out`, the
+        output the backward reads (float32 where `saves_unrounded_output`, else `out`)."""
         spec = self.spec
-        out = empty_like_query(  # Note [Output layout]
-            q, (spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v)
-        )
+        shape = (spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v)
+        out = empty_like_query(q, shape)  # Note [Output layout]
+        out_f32 = empty_like_query(q, shape, torch.float32) if self.saves_unrounded_output else None
         lse = torch.empty(
             spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device
         )
         if self.tune:
-            self._tune_forward(q, k, v, out, lse, score_tensors)
+            self._tune_forward(q, k, v, out, lse, score_tensors, out_f32)
         elif spec.needs_grad and id(self.plan) not in _prewarmed and concurrent_enabled():
             _prewarmed.add(id(self.plan))
-            self._prewarm_backward(q, k, v, out, lse, score_tensors)
+            self._prewarm_backward(q, k, v, out if out_f32 is None else out_f32, lse, score_tensors)
         max_scores = torch.empty_like(lse) if spec.max_scores else None
-        launch(self.forward_launch(q, k, v, out, lse, score_tensors, max_scores=max_scores))
+        launch(
+            self.forward_launch(
+                q, k, v, out, lse, score_tensors, max_scores=max_scores, out_f32=out_f32
+            )
+        )
         self.max_scores = max_scores
+        self.saved_out = out if out_f32 is None else out_f32
         return out, lse
 
     def _prewarm_backward(self, q, k, v, out, lse, score_tensors) -> None:
@@ -358,7 +431,7 @@ class Launcher:
         ]
         grads += [torch.empty(0, device=dev)] if slots else []
         launches = self.backward_launches(
-            q, k, v, out, lse, torch.empty_like(out), None, torch.empty_like(lse),
+            q, k, v, out, lse, torch.empty_like(out, dtype=q.dtype), None, torch.empty_like(lse),
             torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), score_tensors, grads,
             1 if slots else 0, dq_acc=dq_acc,
         )  # fmt: skip
@@ -370,9 +443,9 @@ class Launcher:
         cands = source(self.capability, spec.head_dim, spec.dtype)
         return autotune.unique([autotune.fit(c, spec.block_mask.block_size) for c in cands])
 
-    def _tune_forward(self, q, k, v, out, lse, score_tensors) -> None:
+    def _tune_forward(self, q, k, v, out, lse, score_tensors, out_f32=None) -> None:
         def run(c: FwdConfig) -> None:
-            launch(self.forward_launch(q, k, v, out, lse, score_tensors, c))
+            launch(self.forward_launch(q, k, v, out, lse, score_tensors, c, out_f32=out_f32))
 
         best = autotune.pick(self._candidates("fwd"), run, "forward")
         if best is not None:
@@ -472,18 +545,18 @@ class _TritonFunction(torch.autograd.Function):
     def forward(ctx, launcher: Launcher, q, k, v, *score_tensors):
         out, lse = launcher.forward(q, k, v, score_tensors)
         ctx.launcher = launcher
-        ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
+        ctx.save_for_backward(q, k, v, launcher.saved_out, lse, *score_tensors)
         max_scores = launcher.max_scores if launcher.max_scores is not None else lse.new_empty(0)
         ctx.mark_non_differentiable(max_scores)
         return out, lse, max_scores
 
     @staticmethod
     def backward(ctx, dout, dlse, dmax=None):
-        q, k, v, out, lse, *score_tensors = ctx.saved_tensors
+        q, k, v, out, lse, *score_tensors = ctx.saved_tensors  # `out` may be float32
         launcher: Launcher = ctx.launcher
         grad_slots = frozenset(s for s in launcher.grad_slots if ctx.needs_input_grad[4 + s])
         if dout is None:
-            dout = torch.zeros_like(out)
+            dout = torch.zeros_like(out, dtype=q.dtype)
         dq, dk, dv, grads = launcher.backward(
             q, k, v, out, lse, dout, dlse, tuple(score_tensors), grad_slots
         )
@@ -562,12 +635,12 @@ class TritonBackend(Backend):
     def forward(self, spec, q, k, v):
         launcher = Launcher(spec)
         out, lse = launcher.forward(q, k, v, _score_tensors(spec))
-        return out, lse, out, launcher.max_scores
+        return out, lse, launcher.saved_out, launcher.max_scores
 
     def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
         launcher = Launcher(spec)
         dq, dk, dv, grads = launcher.backward(
-            q, k, v, saved.to(q.dtype), lse, dout, dlse, _score_tensors(spec), grad_slots
+            q, k, v, saved, lse, dout, dlse, _score_tensors(spec), grad_slots
         )
         tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
         return dq, dk, dv, {i: g.to(tensors[i].dtype) for i, g in grads.items()}

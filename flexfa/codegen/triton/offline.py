@@ -94,13 +94,15 @@ def meta_device_launches(
     out = torch.empty(B, Hq, Lq, Ev, dtype=dt)
     lse = torch.empty(B, Hq, Lq, dtype=torch.float32)
     score_tensors = tuple(spec.score_mod.tensors) if spec.score_mod is not None else ()
-    launches = [launcher.forward_launch(q, k, v, out, lse, score_tensors)]
+    saved = torch.empty(B, Hq, Lq, Ev) if launcher.saves_unrounded_output else None
+    launches = [launcher.forward_launch(q, k, v, out, lse, score_tensors, out_f32=saved)]
+    saved = out if saved is None else saved
     if with_backward:
         grads = [torch.empty(score_tensors[s].shape) for s in sorted(launcher.grad_slots)]
         if grads:
             grads.append(torch.empty(len(grads)))  # the capture-scales buffer
         launches += launcher.backward_launches(
-            q, k, v, out, lse, out, None, torch.empty_like(lse), q, k, v, score_tensors, grads,
+            q, k, v, saved, lse, out, None, torch.empty_like(lse), q, k, v, score_tensors, grads,
             1 if grads else 0,
         )  # fmt: skip
     return launches
