@@ -130,12 +130,14 @@ def measure(case: str, device: str, runs: int, workdir: Path) -> dict:
     if device == "cpu":
         env["TRITON_INTERPRET"] = "1"
     warm = _child("verified", case, device, env)  # fills both caches
+    print(json.dumps({"case": case, "mode": "cold", **warm}), flush=True)
     assert warm["writes"] == 1, warm
     rows: dict[str, list[dict]] = {"verified": [], "unverified": []}
     for _ in range(runs):
         for mode in rows:  # alternate, so drift in the machine's load hits both
             got = _child(mode, case, device, env)
             assert got["disk_hits"] == 1 and got["writes"] == 0 and got["finite"], got
+            print(json.dumps({"case": case, "mode": mode, **got}), flush=True)
             rows[mode].append(got)
     result = {
         "case": case,
