@@ -30,9 +30,12 @@
 # `_describe` saw: graph constants. Dynamo guards on the identity of the mod it passes, so a new
 # mod object (a new `softcap(c)`, a new lambda) traces again; a float changed in place inside the
 # same mod's closure (`nonlocal`) is not seen until the graph is traced again.
-# Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built while the graph is recorded:
-# a mask_mod that reads a captured tensor (document ids) must keep that tensor's values fixed across
-# replays, or be called outside the graphed region.
+# Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built in the warm-up run, outside
+# the graph's memory pool (Note [Caches under CUDA graphs] in flexfa/persist.py), and the recorded
+# graph replays the kernels with it: a mask_mod that reads a captured tensor (document ids) must
+# keep that tensor's values fixed across replays, or be called outside the graphed region. On the
+# H200 a decode loop (forward only) runs and replays right under CUDA graphs; a training step
+# (forward and backward) does not yet (tests/e2e/test_compile.py).
 # Eager calls never reach this module: `torch.compiler.is_compiling()` is the only cost they pay.
 """
 

@@ -148,6 +148,20 @@ def plan_call(
     )
 
 
+def uses_block_sparse(spec: AttentionSpec) -> bool:
+    """Whether the call passes its BlockMask as FA4's block-sparse lists: `kernel_options=
+    {"block_sparse": ...}` when given, else wherever the lists are wired (Note [Block-sparse lists
+    for FA4]); they matter only for masks that are not native."""
+    option = spec.kernel_options.get("block_sparse")
+    if option is not None:
+        return bool(option)
+    if spec.device.type != "cuda":
+        return False
+    major = torch.cuda.get_device_capability(spec.device)[0]
+    why = sparse.why_not_sparse(spec.block_mask, spec.head_dim, spec.head_dim_v, major)
+    return why is None
+
+
 def make_call(spec: AttentionSpec) -> Call:
     return plan_call(
         spec.score_mod,
@@ -157,7 +171,7 @@ def make_call(spec: AttentionSpec) -> Call:
         needs_grad=spec.needs_grad,
         scale=spec.scale,
         deterministic=spec.deterministic,
-        block_mask=spec.block_mask if spec.kernel_options.get("block_sparse") else None,
+        block_mask=spec.block_mask if uses_block_sparse(spec) else None,
         head_dim=spec.head_dim,
         group_size=spec.group_size,
     )

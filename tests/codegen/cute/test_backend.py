@@ -3,6 +3,7 @@ users who never ask for it never import cutlass or flash_attn."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -161,3 +162,22 @@ def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
     assert seen == {"fwd_heads": 2, "bwd_heads": (4, 4)}
     assert dk.shape == k.shape and dk[0, 0].unique().tolist() == [1.0]  # heads 0 + 1
     assert dk[0, 1].unique().tolist() == [5.0] and bool((dv == 2.0).all())  # heads 2 + 3
+
+
+def test_block_sparse_lists_by_default_where_wired(monkeypatch):
+    """Note [Block-sparse lists for FA4]: the option decides when given; otherwise the lists are
+    used wherever `why_not_sparse` allows them (sm90, head dims <= 128, 128 x 128 blocks)."""
+    from flexfa.codegen.cute import backend
+
+    q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
+    spec = build_spec(q, q, q, None, flexfa.masks.prefix_lm(100))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = dataclasses.replace(spec, device=torch.device("cuda"))
+    assert backend.uses_block_sparse(cuda)
+    assert not backend.uses_block_sparse(
+        dataclasses.replace(cuda, kernel_options={"block_sparse": False})
+    )
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not backend.uses_block_sparse(cuda)  # sm100 lists are not wired
+    assert backend.uses_block_sparse(dataclasses.replace(cuda, kernel_options={"block_sparse": 1}))
+    assert not backend.uses_block_sparse(spec)  # a CPU spec never reaches FA4

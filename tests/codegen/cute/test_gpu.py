@@ -38,7 +38,7 @@ pytestmark = [
 @dataclasses.dataclass(frozen=True)
 class GpuCase(common.GpuCase):
     lowering: str  # the mask lowering the backend must choose
-    block_sparse: bool = False  # kernel_options={"block_sparse": True}
+    block_sparse: bool = False  # kernel_options={"block_sparse": ...}: both paths are tested
 
     def __str__(self) -> str:
         return super().__str__() + ("-sparse" if self.block_sparse else "")
@@ -110,7 +110,7 @@ def test_fa4_matches_reference_on_gpu(case: GpuCase) -> None:
     score_mod, mask_mod, params = case.build(case, dev)
     q, k, v = case.qkv(dev)
     gqa = case.gqa
-    options = {"block_sparse": True} if case.block_sparse else None
+    options = {"block_sparse": case.block_sparse}
     spec = build_spec(q, k, v, score_mod, mask_mod, enable_gqa=gqa, kernel_options=options)
     call = make_call(spec)
     assert call.lowering.kind == case.lowering
