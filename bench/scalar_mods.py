@@ -4,13 +4,15 @@ Twenty mods `lambda score, b, h, q_idx, kv_idx, c=c: score + c * 0.01 * (kv_idx 
 as floats), each called once (forward + backward, B=1, H=4, N=1024, D=128, bf16, causal) in one
 fresh process with empty caches. The float is a lifted scalar (Note [Lifted scalars]), so the first
 mod compiles the kernels and the other nineteen reuse them: the script prints each first call's
-time and the number of compiled Triton kernels after each call.
+time, the number of compiled Triton kernels after each call, and the time Python's garbage
+collector took during the call.
 
     python bench/scalar_mods.py            # results also in $OUT/scalar_mods.json if $OUT is set
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import statistics
@@ -41,7 +43,18 @@ def main() -> None:
         for c in range(20)
     ]
     rows = []
+    gc_time = [0.0]
+    gc_start = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:  # time spent in the garbage collector, per call
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_time[0] += time.perf_counter() - gc_start[0]
+
+    gc.callbacks.append(on_gc)
     for i, mod in enumerate(mods):
+        gc_time[0] = 0.0
         torch.cuda.synchronize()
         start = time.perf_counter()
         out = flexfa.attention(q, k, v, score_mod=mod, block_mask=flexfa.masks.causal)
@@ -52,6 +65,7 @@ def main() -> None:
                 "mod": i,
                 "first_call_s": time.perf_counter() - start,
                 "kernels": tmodule.compiled_kernel_count(),
+                "gc_ms": 1e3 * gc_time[0],
             }
         )
         print(json.dumps(rows[-1]), flush=True)
