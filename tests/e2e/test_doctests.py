@@ -21,6 +21,7 @@ MODULES = [
     "flexfa.codegen.cute.plan",
     "flexfa.backends.fa4",
     "flexfa.torch_options",
+    "flexfa.persist",
 ]
 
 
