@@ -35,6 +35,7 @@ class Call:
     bwd_sparse: sparse.SparseLists | None = None
     bwd_rows_80: bool = False
     bwd_kv_group: int = 1  # > 1: the backward runs on K/V repeated per query head
+    scalars: tuple[float, ...] = ()  # the score_mod's lifted scalars, FA4's aux_scalars
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,6 +146,7 @@ def plan_call(
         bwd_sparse=bwd_sparse,
         bwd_rows_80=needs_grad and backward_rows_80(score is not None, head_dim),
         bwd_kv_group=group_size if needs_grad and score is not None else 1,
+        scalars=tuple(score.scalar_values) if score is not None else (),
     )
 
 
@@ -190,6 +192,7 @@ class _Fa4Function(torch.autograd.Function):
             hooks=call.hooks,
             aux_tensors=aux,
             block_sparse=call.fwd_sparse,
+            scalars=call.scalars,
         )
         ctx.save_for_backward(q, k, v, out_fa4, lse, *score_tensors)
         ctx.call = call
@@ -226,6 +229,7 @@ class _Fa4Function(torch.autograd.Function):
             deterministic=call.deterministic,
             block_sparse=call.bwd_sparse,
             rows_80=call.bwd_rows_80,
+            scalars=call.scalars,
         )
         if group > 1:
             dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))

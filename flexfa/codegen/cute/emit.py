@@ -21,10 +21,11 @@ FA4 passes the same list to every hook, so each function reads its own entries b
 # Note [Constants in generated CuTe source]
 # Every constant of the IR is printed by `Constants`, and nowhere else: `literal` prints a typed
 # literal (`cutlass.Float32(0.125)`). Lifted Python scalars (SCALAR leaves, Note [Lifted scalars]
-# in flexfa/ir/nodes.py) are printed by `scalar` as literals of this call's values, so for now the
-# fa4 backend compiles once per scalar value: the values are part of its module key
-# (flexfa/codegen/cute/module.py). Passing them as FA4's runtime `aux_scalars` instead changes
-# `scalar` alone; the functions' bodies need no other change.
+# in flexfa/ir/nodes.py) are read by `scalar` from FA4's `aux_scalars`, a tuple of run-time
+# values (`cutlass.Float32`, one per slot) that FA4 passes to every hook by keyword. FA4 keys its
+# compiled kernels by the hooks' code and the scalars' types, not their values, and flexfa's module
+# key leaves the values out too, so score_mods that differ only in a lifted float share one
+# generated module and one compile.
 #
 # Note [Fast math in generated CuTe source]
 # The generated hooks run once per score element, next to FA4's own exp2 of the softmax, and the
@@ -100,8 +101,15 @@ _INFIX = {
 
 # The FA4 hooks' fixed parameters (FA4 passes q_idx, kv_idx, seqlen_info and aux_tensors by
 # keyword), and for each mod variable: the scalar its element 0 is read into, and the parameter.
-SCORE_MOD_PARAMS = ("score_ssa", "b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors")
-MASK_MOD_PARAMS = ("b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors")
+# `aux_scalars` comes by keyword when the call passes lifted scalars (Note [Constants in generated
+# CuTe source]); FA4 then passes it to every hook.
+SCORE_MOD_PARAMS = (
+    "score_ssa", "b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors",
+    "aux_scalars=None",
+)  # fmt: skip
+MASK_MOD_PARAMS = (
+    "b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors", "aux_scalars=None",
+)  # fmt: skip
 SCORE_MOD_BWD_PARAMS = ("grad_ssa", *SCORE_MOD_PARAMS)
 _SCALAR_OF = {
     "score": ("score", "score_ssa"),
@@ -156,12 +164,9 @@ class ModSource:
 class Constants:
     """Where every IR constant's text comes from (Note [Constants in generated CuTe source])."""
 
-    def __init__(self, scalar_values: tuple[float, ...] = ()) -> None:
-        self.scalar_values = scalar_values
-
     def scalar(self, node: Node) -> str:
-        """A lifted scalar, printed as this call's value."""
-        return self.literal(Node(Op.CONST, node.dtype, (), self.scalar_values[node.arg.slot]))
+        """A lifted scalar: read from FA4's runtime `aux_scalars`, in slot order."""
+        return f"aux_scalars[{node.arg.slot}]"
 
     def literal(self, node: Node) -> str:
         v = node.arg
@@ -382,7 +387,7 @@ def emit_mod(
     traced: TracedMod, fn_name: str, aux: AuxLayout, constants: Constants | None = None
 ) -> ModSource:
     """The forward hook of a score_mod (`score_mod`) or mask_mod (`mask_mod`)."""
-    body = _Body(_aux_index(traced, aux), constants or Constants(traced.scalar_values))
+    body = _Body(_aux_index(traced, aux), constants or Constants())
     body.emit([traced.output])
     ret = body.name(traced.output)
     lines = [*_reads(body, _VAR_ORDER), *body.lines]
@@ -406,7 +411,7 @@ def emit_score_mod_bwd(
     """The `score_mod_bwd` hook, from flexfa's autodiff (never written by hand): it returns
     grad * d score_mod / d score and adds the captured tensors' gradients into their buffers
     (Note [Captured gradients in the FA4 backward])."""
-    body = _Body(_aux_index(traced, aux), constants or Constants(traced.scalar_values))
+    body = _Body(_aux_index(traced, aux), constants or Constants())
     loads = [g for g in grad.loads if g.slot in aux.grad_slots]
     body.emit([grad.d_score, *(g.d_load for g in loads), *(i for g in loads for i in g.indices)])
     lines = ["grad = grad_ssa[i]", *_reads(body, _VAR_ORDER), *body.lines]

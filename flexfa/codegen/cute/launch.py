@@ -41,6 +41,16 @@ def aux_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.detach()
 
 
+def aux_scalars(values: tuple[float, ...]) -> tuple | None:
+    """Lifted scalars as FA4's run-time `aux_scalars` (Note [Constants in generated CuTe source]),
+    or None when the mods lift none."""
+    if not values:
+        return None
+    import cutlass
+
+    return tuple(cutlass.Float32(v) for v in values)
+
+
 def _fa4_layout(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2)
 
@@ -56,6 +66,7 @@ def forward(
     aux_tensors: list[torch.Tensor],
     arch: int | None = None,
     block_sparse: SparseLists | None = None,
+    scalars: tuple[float, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's forward. Returns (out in flexfa's layout, lse [B, H, Lq] natural log, out in FA4's
     layout for the backward)."""
@@ -69,6 +80,7 @@ def forward(
         score_mod=hooks.score_mod,
         mask_mod=hooks.mask_mod if not lowering.native else None,
         aux_tensors=aux_tensors or None,
+        aux_scalars=aux_scalars(scalars),
         block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         return_lse=True,
         _arch=arch,
@@ -120,6 +132,7 @@ def backward(
     deterministic: bool,
     block_sparse: SparseLists | None = None,
     rows_80: bool = False,
+    scalars: tuple[float, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
     Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
@@ -141,6 +154,7 @@ def backward(
             score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
             mask_mod=hooks.mask_mod if not lowering.native else None,
             aux_tensors=aux_tensors or None,
+            aux_scalars=aux_scalars(scalars),
             block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
             dlse=dlse,
             **lowering.fa4_kwargs(),

@@ -79,10 +79,8 @@ def module_key(
     score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
 ) -> ModuleKey:
     return ModuleKey(
-        # Lifted scalars are compiled in as values (Note [Constants in generated CuTe source]).
-        score_mod=(score.key + (f":values={score.scalar_values!r}" if score.scalars else ""))
-        if score is not None
-        else None,
+        # Lifted scalars are run-time values (Note [Constants in generated CuTe source]).
+        score_mod=score.key if score is not None else None,
         mask_mod=mask.key if mask is not None else None,
         grad_slots=tuple(sorted(grad_slots)),
         templates=templates_digest(),
@@ -120,8 +118,7 @@ def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozense
     from flexfa import __version__
 
     aux = emit.AuxLayout.of(score, mask, grad_slots)
-    # Note [Constants in generated CuTe source]: lifted scalars are printed as their values.
-    constants = emit.Constants(score.scalar_values if score is not None else ())
+    constants = emit.Constants()  # Note [Constants in generated CuTe source]
     score_src = bwd_src = mask_src = None
     if score is not None:
         score_src = emit.emit_mod(score, f"score_mod_{score.name}", aux, constants)

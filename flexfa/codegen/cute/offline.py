@@ -150,7 +150,7 @@ def compile_call(
         t0 = time.perf_counter()
         o, lse, o_fa4 = launch.forward(
             q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux,
-            arch=number, block_sparse=_fake_lists(call.fwd_sparse),
+            arch=number, block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
         if backward:
@@ -163,7 +163,7 @@ def compile_call(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
                 lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
-                rows_80=call.bwd_rows_80 and number // 10 == 9,
+                rows_80=call.bwd_rows_80 and number // 10 == 9, scalars=call.scalars,
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))

@@ -95,3 +95,43 @@ def test_block_sparse_lists_compile_for_sm90(tmp_path):
     assert "forward block-sparse" in got["lowering"] and "backward block-sparse" in got["lowering"]
     bwd = [p for p in got["ptx"] if "flash_bwd_sm90" in p]
     assert bwd and MMA["sm_90a"] in Path(bwd[0]).read_text()
+
+
+_SCALARS_CHILD = """
+import json, struct, sys, torch, flexfa
+from flexfa.codegen.cute import offline
+
+def make(c):
+    def shifted(score, b, h, q_idx, kv_idx):
+        return score + c * (kv_idx - q_idx)
+    return shifted
+
+first = offline.compile_call(make(0.123), flexfa.masks.causal, arch=sys.argv[2],
+                             out_dir=sys.argv[1], head_dim=64)
+from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
+counts = [len(_flash_attn_fwd.compile_cache.cache), len(_flash_attn_bwd.compile_cache.cache)]
+second = offline.compile_call(make(0.456), flexfa.masks.causal, arch=sys.argv[2],
+                              out_dir=sys.argv[1], head_dim=64)
+counts += [len(_flash_attn_fwd.compile_cache.cache), len(_flash_attn_bwd.compile_cache.cache)]
+literal = "0f" + struct.pack(">f", 0.123).hex().upper()
+ptx = "".join(p.read_text() for p in first.ptx)
+print(json.dumps({"counts": counts, "seconds": [first.seconds, second.seconds],
+                  "literal_in_ptx": literal in ptx, "ptx_files": len(first.ptx)}))
+"""
+
+
+@pytest.mark.slow
+def test_mods_differing_in_a_float_share_one_compile(tmp_path):
+    """Note [Constants in generated CuTe source]: a lifted float is FA4's run-time aux_scalars,
+    so a second score_mod that differs only in that float compiles nothing, and the value is not a
+    constant of the PTX."""
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [sys.executable, "-c", _SCALARS_CHILD, str(tmp_path / "out"), "sm_100a"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    fwd_1, bwd_1, fwd_2, bwd_2 = got["counts"]
+    assert (fwd_1, bwd_1) == (fwd_2, bwd_2) and fwd_1 >= 1 and bwd_1 >= 1, got
+    assert got["ptx_files"] >= 2 and not got["literal_in_ptx"], got
+    assert got["seconds"][1]["forward"] < 0.5 and got["seconds"][1]["backward"] < 0.5, got

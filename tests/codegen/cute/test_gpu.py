@@ -129,6 +129,35 @@ def test_fa4_matches_reference_on_gpu(case: GpuCase) -> None:
     common.check_against_reference(case, q, k, v, score_mod, mask_mod, params, out, lse)
 
 
+def test_mods_differing_in_a_float_on_gpu() -> None:
+    """Lifted floats are FA4's run-time aux_scalars (Note [Constants in generated CuTe source]):
+    two score_mods that differ only in one share the compiled kernels, and each gets its own
+    value (forward and backward)."""
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(1, 2, 300, 64, device="cuda", dtype=bf16, requires_grad=True) for _ in range(3)
+    )
+
+    def make(c):
+        def shifted(score, b, h, q_idx, kv_idx):
+            return score + c * (kv_idx - q_idx)
+
+        return shifted
+
+    for c in (0.01, 0.05):
+        mod = make(c)
+        out = flexfa.attention(q, k, v, mod, fm.causal, backend="fa4")
+        (dq,) = torch.autograd.grad(out.float().sum(), (q,))
+        o, _ = reference_attention(q, k, v, mod, fm.causal, dtype=torch.float64)
+        (dq_ref,) = torch.autograd.grad(o.sum(), (q,))
+        oe, _ = reference_attention(q, k, v, mod, fm.causal, dtype=bf16)
+        (dq_eager,) = torch.autograd.grad(oe.float().sum(), (q,))
+        check = ThreeWay(bf16, context=f"c={c}")
+        check("out", out, oe, o)
+        check("dq", dq, dq_eager, dq_ref)
+        check.assert_ok()
+
+
 def test_lse_gradient_on_gpu() -> None:
     """A loss that uses the LSE backpropagates through FA4's dlse path."""
     torch.manual_seed(0)
