@@ -4,7 +4,8 @@ FA4 and the CuTe DSL compile for a named arch when told so by the environment (`
 `FLASH_ATTENTION_ARCH`, and `FLASH_ATTENTION_NUM_SMS` for its scheduling heuristics), and FA4's
 entry points accept torch fake tensors: under `FakeTensorMode` nothing is allocated or launched,
 but every kernel of the call is compiled to PTX and a cubin. `CUTE_DSL_KEEP=ptx` with
-`CUTE_DSL_DUMP_DIR` keeps the PTX files.
+`CUTE_DSL_DUMP_DIR` keeps the PTX files, `cubin` the cubins, which `cuobjdump --dump-sass` turns
+into SASS where a cuobjdump is found (Triton's package carries one).
 
 The CuTe DSL reads its arch once per process, so `compile_call` must run before anything else in
 the process imports cutlass with another arch (the CLI and the tests run it in a fresh process).
@@ -33,6 +34,7 @@ class CompileReport:
     ptx: tuple[Path, ...]
     seconds: dict[str, float]
     lowering: str
+    sass: tuple[Path, ...] = ()
 
 
 def configure_arch(arch: str) -> int:
@@ -117,7 +119,7 @@ def compile_call(
     out.mkdir(parents=True, exist_ok=True)
     ptx_dir = out / f"ptx_{arch}"
     ptx_dir.mkdir(exist_ok=True)
-    os.environ["CUTE_DSL_KEEP"] = "ptx"
+    os.environ["CUTE_DSL_KEEP"] = "ptx,cubin"
     os.environ["CUTE_DSL_DUMP_DIR"] = str(ptx_dir)
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -167,6 +169,7 @@ def compile_call(
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
+    sass = disassemble(tuple(sorted(ptx_dir.rglob("*.cubin"))))
     lowering = call.lowering
     text = f"{lowering.kind}: {lowering.reason}"
     if call.bwd_lowering is not lowering:
@@ -177,7 +180,42 @@ def compile_call(
         f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
         ("backward", call.bwd_sparse)) if lists is not None
     )  # fmt: skip
-    return CompileReport(arch, ptx, seconds, text)
+    return CompileReport(arch, ptx, seconds, text, sass)
+
+
+def _cuobjdump() -> str | None:
+    """A cuobjdump: on PATH, else the one Triton's package carries."""
+    import shutil
+
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    try:
+        import triton
+    except ImportError:
+        return None
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return str(bundled) if bundled.exists() else None
+
+
+def disassemble(cubins: tuple[Path, ...]) -> tuple[Path, ...]:
+    """SASS (`cuobjdump --dump-sass`) beside each cubin; none where no cuobjdump is found or it
+    cannot read the cubin (an arch newer than the tool)."""
+    import subprocess
+
+    tool = _cuobjdump()
+    if tool is None:
+        return ()
+    written = []
+    for cubin in cubins:
+        res = subprocess.run(
+            [tool, "--dump-sass", str(cubin)], capture_output=True, text=True, timeout=300
+        )
+        if res.returncode == 0 and res.stdout.strip():
+            path = cubin.with_suffix(".sass")
+            path.write_text(res.stdout)
+            written.append(path)
+    return tuple(written)
 
 
 def export(
@@ -191,8 +229,8 @@ def export(
     dtype: torch.dtype = torch.bfloat16,
 ) -> list[Path]:
     """`python -m flexfa export ... --backend fa4`: the generated hooks (`mods.py`, `key.json`)
-    and the PTX of FA4's forward and backward kernels compiled with them for `arch` (and their
-    cubins), with no GPU needed. Returns the paths written."""
+    and the PTX of FA4's forward and backward kernels compiled with them for `arch`, their cubins
+    and SASS where a cuobjdump is found, with no GPU needed. Returns the paths written."""
     import json
 
     from flexfa.api import _trace_score_mod
@@ -219,9 +257,12 @@ def export(
                 "lowering": report.lowering,
                 "seconds": report.seconds,
                 "ptx": [p.name for p in report.ptx],
+                "sass": [p.name for p in report.sass],
             },
             indent=1,
         )
         + "\n"
     )
-    return [out / "mods.py", out / "key.json", out / f"compile_{arch}.json", *report.ptx]
+    return [
+        out / "mods.py", out / "key.json", out / f"compile_{arch}.json", *report.ptx, *report.sass,
+    ]  # fmt: skip

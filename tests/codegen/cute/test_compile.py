@@ -19,6 +19,7 @@ from flexfa.backends.fa4 import missing_package
 
 ROOT = Path(__file__).resolve().parents[3]
 MMA = {"sm_90a": "wgmma.mma_async", "sm_100a": "tcgen05.mma"}
+SASS_MMA = {"sm_90a": "HGMMA", "sm_100a": "UTCHMMA"}  # the same instructions in SASS
 
 pytestmark = pytest.mark.skipif(missing_package() is not None, reason=str(missing_package()))
 
@@ -51,6 +52,13 @@ def test_alibi_causal_compiles_forward_and_backward(tmp_path, arch):
         assert f".target {arch}" in text
         assert MMA[arch] in text
     assert "def score_mod_alibi(" in got["mods"] and "def score_mod_bwd_alibi(" in got["mods"]
+    # SASS beside the PTX (cuobjdump from Triton's package), for the forward and the backward.
+    from flexfa.codegen.cute.offline import _cuobjdump
+
+    if _cuobjdump() is not None:
+        sass = {n: (tmp_path / arch / f"ptx_{arch}" / n).read_text() for n in got["report"]["sass"]}
+        assert SASS_MMA[arch] in kernel(sass, "flash_fwd")
+        assert SASS_MMA[arch] in kernel(sass, "flash_bwd_sm")
 
 
 MODS = ROOT / "tests" / "codegen" / "cute" / "compile_mods.py"
