@@ -86,20 +86,19 @@ def backward_rows_80(has_score_mod: bool, head_dim: int) -> bool:
 # score_mod the native GQA backward is used; the forward is right with GQA and keeps it.
 
 # Note [Backward with a score_mod]
-# On the H200, FA4's sm90 backward with a score_mod gave wrong dQ, dK and dV wherever its tile had
-# 64 query rows: at head dims 65..96 always, and at 97..128 under FA4's native causal or window
-# masks (which switch that tile from 80 rows to 64), while the same hooks were right with 80- and
-# 128-row tiles and the forward was right everywhere. FA4's own score_mod tests run its backward
-# at head dims 64 and 128 without causal, i.e. with 128- and 80-row tiles only. So flexfa runs the
-# backward of every call with a score_mod at head dims 97..128 with the 80-row tiles FA4 uses for
-# non-causal head dim 128 (`launch.sm90_backward_rows_80`), and keeps the native masks: empty
-# tiles of a causal or window mask are skipped by FA4's scheduler, not walked with a mask_mod.
-# (Before, the backward passed the generated mask_mod to get 80-row tiles: right, but it walked
-# every tile, half the causal backward's work spent on empty ones.) FA4 has no 80-row
-# configuration at head dims 65..96 (it fails an assertion) or above 128, so gradients through a
-# score_mod are refused there on sm90 (`flexfa.backends.fa4.score_mod_backward_unsupported`).
-# Whether the 64-row fault is FA4's alone or also needs the GQA fault below to show was not
-# separated on the GPU yet: the first failing cases mixed both.
+# In flexfa's first GPU run, FA4's sm90 backward with a score_mod gave wrong dQ, dK and dV in the
+# cases whose tile had 64 query rows (head dims 65..96 always; 97..128 under FA4's native causal or
+# window masks, which switch that tile from 80 rows to 64), while cases with 80- and 128-row tiles
+# were right and the forward was right everywhere. Some of those cases had GQA, since explained by
+# another fault (Note [GQA in FA4's score_mod backward]); a later direct experiment with FA4's
+# kernels and index-free hooks at 64-row causal tiles gave right gradients. Until a run separates
+# the two, flexfa runs the backward of every call with a score_mod at head dims 97..128 with the
+# 80-row tiles FA4 uses for non-causal head dim 128 (`launch.sm90_backward_rows_80`), and keeps
+# the native masks: empty tiles of a causal or window mask are skipped by FA4's scheduler, not
+# walked with a mask_mod (as an earlier version did to get the 80-row tile: right, but the causal
+# backward spent half its work on empty tiles). FA4 has no 80-row configuration at head dims
+# 65..96 (it fails an assertion) or above 128, so gradients through a score_mod are refused there
+# on sm90 (`flexfa.backends.fa4.score_mod_backward_unsupported`).
 
 
 def plan_call(
