@@ -16,21 +16,6 @@ from tests.e2e.harness import Problem, check_attention, maker
 from tests.mods import mask_mod, score_mod
 from tests.tolerance import ThreeWay
 
-
-@pytest.fixture
-def decode_calls(monkeypatch):
-    """Counts calls that took the decode path."""
-    calls = []
-    real = decode.run
-
-    def spy(spec, q, k, v):
-        calls.append(spec)
-        return real(spec, q, k, v)
-
-    monkeypatch.setattr(decode, "run", spy)
-    return calls
-
-
 # (Lq, group size, mask, score_mod, splits): every Lq and GQA ratio, with masks that differ per
 # head, leave rows empty, or differ per batch element.
 CASES = [

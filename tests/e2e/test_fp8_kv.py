@@ -21,7 +21,6 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.codegen.triton import decode
 from flexfa.compiled import compiled_attention
 from flexfa.reference import reference_attention
 from tests.e2e.harness import INTERPRETER_TILES
@@ -29,20 +28,6 @@ from tests.tolerance import ThreeWay
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def decode_calls(monkeypatch):
-    """Counts calls that took the Triton decode path."""
-    calls = []
-    real = decode.run
-
-    def spy(spec, q, k, v):
-        calls.append(spec)
-        return real(spec, q, k, v)
-
-    monkeypatch.setattr(decode, "run", spy)
-    return calls
 
 
 def _inputs(B, Hq, Hkv, Lq, Lkv, E, q_dtype, k_dtype, v_dtype, seed=0, device="cpu"):
