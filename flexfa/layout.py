@@ -44,3 +44,20 @@ def empty_like_query(
         order.remove(last)
         strides = _strides(shape, [last, *order])
     return torch.empty_strided(shape, strides, dtype=dtype or q.dtype, device=q.device)
+
+
+def row_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` with the row-major strides of its shape, copied only when they differ.
+
+    torch calls a tensor contiguous whatever the strides of its size-1 dims, and `.contiguous()`
+    keeps those strides; kernels that check strides (FA4's argument checks, Note [Aux tensor
+    layouts] in flexfa/codegen/cute/launch.py) need the canonical ones.
+
+    >>> t = torch.zeros(1, 1, 2)[..., :1]
+    >>> t.is_contiguous(), t.stride(), row_major(t).stride()
+    (True, (2, 2, 1), (1, 1, 1))
+    """
+    expected = _strides(tuple(t.shape), list(reversed(range(t.ndim))))
+    if list(t.stride()) == expected:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)

@@ -70,13 +70,29 @@ def head_dims_supported(head_dim: int, head_dim_v: int, arch_major: int) -> str 
     )
 
 
-def score_mod_backward_unsupported(head_dim: int, arch_major: int) -> str | None:
-    """Why FA4 cannot give gradients through a score_mod at this head dim, or None
-    (Note [Backward with a score_mod] in flexfa/codegen/cute/backend.py)."""
-    if arch_major == 9 and (64 < head_dim <= 96 or head_dim > 128):
+# Head dims at which flexfa's GPU tests verified FA4's sm90 backward, with and without a
+# score_mod (Note [Backward with a score_mod] in flexfa/codegen/cute/backend.py).
+SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def backward_unsupported(head_dim: int, head_dim_v: int, arch_major: int) -> str | None:
+    """Why flexfa does not run FA4's backward for this call, or None (Note [Backward with a
+    score_mod] in flexfa/codegen/cute/backend.py). sm90 rules only: FA4's authors test its
+    Blackwell backward, which no flexfa machine can run."""
+    if arch_major != 9:
+        return None
+    if head_dim != head_dim_v:
         return (
-            f"FA4's sm90 backward with a score_mod at head dim {head_dim} (64-row tiles) gave wrong "
-            "gradients in flexfa's GPU tests; use the triton backend for gradients"
+            f"FA4's sm90 backward at head_dim {head_dim} != head_dim_v {head_dim_v} failed in "
+            "flexfa's GPU tests (a launch error for head_dim < head_dim_v, wrong dQ and dK for "
+            "head_dim > head_dim_v); use the triton backend for gradients"
+        )
+    if head_dim not in SM90_BACKWARD_HEAD_DIMS:
+        dims = ", ".join(map(str, SM90_BACKWARD_HEAD_DIMS))
+        return (
+            f"FA4's sm90 backward at head dim {head_dim} is not verified (it gave wrong dQ at "
+            f"head dims 72, 80, 104 and 112 in flexfa's GPU tests, with and without a score_mod); "
+            f"flexfa runs it at head dims {dims}; use the triton backend for gradients"
         )
     return None
 
@@ -133,8 +149,8 @@ class Fa4Backend(Backend):
                         f"{traced.kind} {traced.name!r} captures {cap.name!r} of dtype {t.dtype}, "
                         "which FA4's aux tensors cannot carry"
                     )
-        if spec.score_mod is not None and spec.needs_grad:
-            bad_backward = score_mod_backward_unsupported(spec.head_dim, major)
+        if spec.needs_grad:
+            bad_backward = backward_unsupported(spec.head_dim, spec.head_dim_v, major)
             if bad_backward is not None:
                 return Support.no(bad_backward)
         if spec.deterministic and spec.score_grad_slots:

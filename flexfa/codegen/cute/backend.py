@@ -33,7 +33,6 @@ class Call:
     deterministic: bool
     fwd_sparse: sparse.SparseLists | None = None
     bwd_sparse: sparse.SparseLists | None = None
-    bwd_rows_80: bool = False
     bwd_kv_group: int = 1  # > 1: the backward runs on K/V repeated per query head
     scalars: tuple[float, ...] = ()  # the score_mod's lifted scalars, FA4's aux_scalars
 
@@ -69,11 +68,6 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
     return hooks
 
 
-def backward_rows_80(has_score_mod: bool, head_dim: int) -> bool:
-    """Whether FA4's sm90 backward must take its 80-row tiles (Note [Backward with a score_mod])."""
-    return has_score_mod and 96 < head_dim <= 128
-
-
 # Note [GQA in FA4's score_mod backward]
 # FA4's sm90 backward walks one query head per work tile (it has no packed-GQA backward), yet it
 # hands its score_mod and score_mod_bwd the indices of packed GQA: q_idx // G and head
@@ -86,19 +80,20 @@ def backward_rows_80(has_score_mod: bool, head_dim: int) -> bool:
 # score_mod the native GQA backward is used; the forward is right with GQA and keeps it.
 
 # Note [Backward with a score_mod]
-# In flexfa's first GPU run, FA4's sm90 backward with a score_mod gave wrong dQ, dK and dV in the
-# cases whose tile had 64 query rows (head dims 65..96 always; 97..128 under FA4's native causal or
-# window masks, which switch that tile from 80 rows to 64), while cases with 80- and 128-row tiles
-# were right and the forward was right everywhere. Some of those cases had GQA, since explained by
-# another fault (Note [GQA in FA4's score_mod backward]); a later direct experiment with FA4's
-# kernels and index-free hooks at 64-row causal tiles gave right gradients. Until a run separates
-# the two, flexfa runs the backward of every call with a score_mod at head dims 97..128 with the
-# 80-row tiles FA4 uses for non-causal head dim 128 (`launch.sm90_backward_rows_80`), and keeps
-# the native masks: empty tiles of a causal or window mask are skipped by FA4's scheduler, not
-# walked with a mask_mod (as an earlier version did to get the 80-row tile: right, but the causal
-# backward spent half its work on empty tiles). FA4 has no 80-row configuration at head dims
-# 65..96 (it fails an assertion) or above 128, so gradients through a score_mod are refused there
-# on sm90 (`flexfa.backends.fa4.score_mod_backward_unsupported`).
+# In flexfa's first GPU run, FA4's sm90 backward with a score_mod gave wrong dQ, dK and dV in
+# cases whose tile had 64 query rows; for a while flexfa forced FA4's 80-row tiles there. Those
+# failures had two other causes. GQA (Note [GQA in FA4's score_mod backward]), and head dims: on
+# the H200 FA4's backward gave wrong dQ at head dims 72, 80, 104 and 112, with a score_mod and
+# without one (FA4's own causal backward at head dim 80 included), and was right at 64, 88, 96,
+# 120, 128, 192 and 256. With GQA handled by repeated K/V, FA4's own tiles - 64 rows at head dims
+# 65..128 under causal and window masks - matched the float64 reference for ALiBi, learnable
+# relative-position tables, a learnable per-key bias and temperature, and softcap
+# (tests/codegen/cute/test_gpu.py), and ran ALiBi + causal forward+backward at 469 TFLOP/s against
+# 396 on the 80-row tiles. So the backward takes FA4's tiles as FA4 chooses them, on the native
+# masks, with block-sparse lists wherever they are wired, at the head dims the tests cover
+# (`flexfa.backends.fa4.SM90_BACKWARD_HEAD_DIMS`); `flexfa.backends.fa4.backward_unsupported`
+# refuses the others on sm90, and head_dim != head_dim_v (a launch error and wrong gradients in
+# the GPU fuzz).
 
 
 def plan_call(
@@ -111,14 +106,13 @@ def plan_call(
     scale: float,
     deterministic: bool = False,
     block_mask: BlockMask | None = None,
-    head_dim: int = 0,
     group_size: int = 1,
 ) -> Call:
     """Mask lowerings of both passes and the generated hooks for one call's mods. With
     `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
     [Block-sparse lists for FA4]; the caller checked `sparse.why_not_sparse`)."""
     lowering = mask_lowering(mask, len_q, len_kv)
-    bwd_lowering = lowering  # the same in both passes (Note [Backward with a score_mod])
+    bwd_lowering = lowering  # the same in both passes
     grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
     # A mask used natively in both passes needs no mask_mod: it stays out of the module (and of
     # FA4's compile key).
@@ -128,10 +122,8 @@ def plan_call(
     if block_mask is not None and mask is not None:
         if not lowering.native:
             fwd_sparse = sparse.forward_lists(block_mask)
-        # FA4 takes 64-row backward tiles for block-sparse lists of 128-row blocks at head dims
-        # above 64 (Note [Backward with a score_mod]): with a score_mod those walk every tile.
-        sparse_bwd_ok = (score is None or head_dim <= 64) and not deterministic
-        if needs_grad and not bwd_lowering.native and sparse_bwd_ok:
+        # FA4's deterministic block-sparse backward needs write orders flexfa does not build.
+        if needs_grad and not bwd_lowering.native and not deterministic:
             bwd_sparse = sparse.backward_lists(block_mask)
     return Call(
         scale=scale,
@@ -143,7 +135,6 @@ def plan_call(
         deterministic=deterministic,
         fwd_sparse=fwd_sparse,
         bwd_sparse=bwd_sparse,
-        bwd_rows_80=needs_grad and backward_rows_80(score is not None, head_dim),
         bwd_kv_group=group_size if needs_grad and score is not None else 1,
         scalars=tuple(score.scalar_values) if score is not None else (),
     )
@@ -173,7 +164,6 @@ def make_call(spec: AttentionSpec) -> Call:
         scale=spec.scale,
         deterministic=spec.deterministic,
         block_mask=spec.block_mask if uses_block_sparse(spec) else None,
-        head_dim=spec.head_dim,
         group_size=spec.group_size,
     )
 
@@ -209,7 +199,7 @@ class _Fa4Function(torch.autograd.Function):
             for s in call.grad_slots
         ]
         aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
-        aux += [g.reshape(1) if g.ndim == 0 else g for g in grads]
+        aux += [launch.with_leading_dim(g.reshape(1) if g.ndim == 0 else g) for g in grads]
         group = call.bwd_kv_group
         if group > 1:  # Note [GQA in FA4's score_mod backward]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -227,7 +217,6 @@ class _Fa4Function(torch.autograd.Function):
             aux_tensors=aux,
             deterministic=call.deterministic,
             block_sparse=call.bwd_sparse,
-            rows_80=call.bwd_rows_80,
             scalars=call.scalars,
         )
         if group > 1:

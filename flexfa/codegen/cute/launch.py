@@ -9,16 +9,15 @@ These functions import flash_attn; only the "fa4" backend and export call them.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from flexfa.codegen.cute.emit import AuxLayout
 from flexfa.codegen.cute.plan import MaskLowering
 from flexfa.codegen.cute.sparse import SparseLists
+from flexfa.layout import row_major
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,12 +32,34 @@ class Hooks:
 
 def aux_tensor(t: torch.Tensor) -> torch.Tensor:
     """A captured tensor as FA4 can take it: 0-d tensors become one-element vectors (the
-    generated code reads element 0), bool tensors become uint8 (read back as `!= 0`)."""
+    generated code reads element 0), bool tensors become uint8 (read back as `!= 0`), and the
+    layout is contiguous with its last dim declared as the unit-stride one (Note [Aux tensor
+    layouts])."""
     if t.dtype == torch.bool:
         t = t.to(torch.uint8)
     if t.ndim == 0:
         t = t.reshape(1)
-    return t.detach()
+    return with_leading_dim(row_major(t.detach()))
+
+
+# Note [Aux tensor layouts]
+# FA4 compiles each aux tensor and block-sparse list with a layout: a declared unit-stride dim
+# (`__leading_dim__` for aux tensors; always the last dim for the lists) becomes a static stride
+# of 1, checked at every call; without a declaration FA4 leaves the layout fully dynamic. torch
+# calls a tensor contiguous whatever the strides of its size-1 dims, and keeps them through
+# `.contiguous()`: in flexfa's GPU fuzz a backward list of shape (1, 1, 1) with strides (2, 2, 2)
+# (one KV block) failed FA4's check ("Expected strides[leading_dim] == 1, but got 2") once FA4
+# broadcast it over heads. flexfa passes every aux tensor, gradient buffer and list with the
+# row-major strides of its shape (`flexfa.layout.row_major`) and declares the aux tensors' last
+# dim: one layout rule, and a static stride the compiler can fold.
+
+
+def with_leading_dim(t: torch.Tensor) -> torch.Tensor:
+    """`t` (contiguous, at least 1-d) with its last dim declared unit-stride for FA4 (Note [Aux
+    tensor layouts]); the attribute is set on this tensor object, which shares `t`'s storage."""
+    assert t.ndim >= 1 and t.stride(-1) == 1, (t.shape, t.stride())
+    t.__leading_dim__ = t.ndim - 1
+    return t
 
 
 def aux_scalars(values: tuple[float, ...]) -> tuple | None:
@@ -89,33 +110,6 @@ def forward(
     return out.transpose(1, 2), lse, out
 
 
-_tile_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def sm90_backward_rows_80() -> Iterator[None]:
-    """Within the block, FA4's sm90 backward takes its 80-row tiles at head dims 97..128 (Note
-    [Backward with a score_mod] in backend.py). FA4 picks its tiles in one private function of
-    its interface, with no argument to choose them; it is replaced for the duration of the call,
-    under a lock (the choice is read when FA4 compiles or looks up the kernel, inside the call)."""
-    import flash_attn.cute.interface as fa4_interface
-
-    original = fa4_interface._tile_size_bwd_sm90
-
-    def tiles(head_dim, head_dim_v, causal, local, sparse_block_size_q=None):
-        if 96 < head_dim <= 128 and head_dim_v <= 128:
-            # FA4's non-causal head-dim-128 configuration: 80 x 128 tiles, dQ with swapped operands
-            return original(128, 128, False, False, sparse_block_size_q)
-        return original(head_dim, head_dim_v, causal, local, sparse_block_size_q)
-
-    with _tile_lock:
-        fa4_interface._tile_size_bwd_sm90 = tiles
-        try:
-            yield
-        finally:
-            fa4_interface._tile_size_bwd_sm90 = original
-
-
 def backward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -131,7 +125,6 @@ def backward(
     aux_tensors: list[torch.Tensor],
     deterministic: bool,
     block_sparse: SparseLists | None = None,
-    rows_80: bool = False,
     scalars: tuple[float, ...] = (),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
@@ -139,24 +132,22 @@ def backward(
     in place (Note [Captured gradients in the FA4 backward] in emit.py)."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
-    tiles = sm90_backward_rows_80() if rows_80 else contextlib.nullcontext()
-    with tiles:
-        dq, dk, dv = _flash_attn_bwd(
-            _fa4_layout(q),
-            _fa4_layout(k),
-            _fa4_layout(v),
-            out_fa4,
-            _fa4_layout(dout),
-            lse,
-            softmax_scale=scale,
-            deterministic=deterministic,
-            score_mod=hooks.score_mod,
-            score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
-            mask_mod=hooks.mask_mod if not lowering.native else None,
-            aux_tensors=aux_tensors or None,
-            aux_scalars=aux_scalars(scalars),
-            block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
-            dlse=dlse,
-            **lowering.fa4_kwargs(),
-        )[:3]
+    dq, dk, dv = _flash_attn_bwd(
+        _fa4_layout(q),
+        _fa4_layout(k),
+        _fa4_layout(v),
+        out_fa4,
+        _fa4_layout(dout),
+        lse,
+        softmax_scale=scale,
+        deterministic=deterministic,
+        score_mod=hooks.score_mod,
+        score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
+        mask_mod=hooks.mask_mod if not lowering.native else None,
+        aux_tensors=aux_tensors or None,
+        aux_scalars=aux_scalars(scalars),
+        block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
+        dlse=dlse,
+        **lowering.fa4_kwargs(),
+    )[:3]
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

@@ -139,7 +139,6 @@ def compile_call(
         needs_grad=backward,
         scale=head_dim**-0.5,
         block_mask=bm if block_sparse else None,
-        head_dim=head_dim,
     )
     captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
     grad_slots = call.grad_slots
@@ -148,7 +147,10 @@ def compile_call(
     with _hardware_info_without_gpu(), FakeTensorMode():
         shape = (1, num_heads, seq_len, head_dim)
         q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
-        aux = [torch.empty(shape, dtype=dt, device="cuda") for shape, dt in aux_specs]
+        aux = [
+            launch.with_leading_dim(torch.empty(shape, dtype=dt, device="cuda"))
+            for shape, dt in aux_specs
+        ]
         t0 = time.perf_counter()
         o, lse, o_fa4 = launch.forward(
             q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux,
@@ -157,7 +159,9 @@ def compile_call(
         seconds["forward"] = time.perf_counter() - t0
         if backward:
             grads = [
-                torch.empty(score.tensors[s].shape or (1,), dtype=torch.float32, device="cuda")
+                launch.with_leading_dim(
+                    torch.empty(score.tensors[s].shape or (1,), dtype=torch.float32, device="cuda")
+                )
                 for s in grad_slots
             ]
             t0 = time.perf_counter()
@@ -165,7 +169,7 @@ def compile_call(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
                 lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
-                rows_80=call.bwd_rows_80 and number // 10 == 9, scalars=call.scalars,
+                scalars=call.scalars,
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
@@ -174,8 +178,6 @@ def compile_call(
     text = f"{lowering.kind}: {lowering.reason}"
     if call.bwd_lowering is not lowering:
         text += f"; backward {call.bwd_lowering.kind}: {call.bwd_lowering.reason}"
-    if backward and call.bwd_rows_80 and number // 10 == 9:
-        text += "; backward with 80-row tiles (Note [Backward with a score_mod])"
     text += "".join(
         f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
         ("backward", call.bwd_sparse)) if lists is not None

@@ -31,6 +31,7 @@ import dataclasses
 import torch
 
 from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize
+from flexfa.layout import row_major
 
 FA4_SPARSE_BLOCK = BlockSize(128, 128)
 
@@ -75,7 +76,9 @@ def _padded(bl: BlockList, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     idx = bl.index
     if idx.shape[-1] < width:
         idx = torch.nn.functional.pad(idx, (0, width - idx.shape[-1]))
-    return bl.count.contiguous(), idx[..., :width].contiguous()
+    # Row-major strides even for size-1 dims: FA4 checks the unit stride of the last dim after
+    # broadcasting (Note [Aux tensor layouts] in launch.py).
+    return row_major(bl.count), row_major(idx[..., :width])
 
 
 def forward_lists(bm: BlockMask) -> SparseLists:

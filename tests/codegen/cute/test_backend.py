@@ -75,30 +75,46 @@ def test_other_backends_never_import_cutlass_or_flash_attn():
     assert res.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_score_mod_backward_refused_where_fa4_gave_wrong_gradients():
-    # Note [Backward with a score_mod]: 64-row sm90 backward tiles whatever the mask.
-    assert fa4.score_mod_backward_unsupported(80, 9) is not None
-    assert fa4.score_mod_backward_unsupported(256, 9) is not None
-    assert fa4.score_mod_backward_unsupported(64, 9) is None
-    assert fa4.score_mod_backward_unsupported(128, 9) is None
-    assert fa4.score_mod_backward_unsupported(80, 10) is None
+def test_backward_refused_where_fa4_failed_or_is_unverified():
+    # Note [Backward with a score_mod]: sm90 rules only.
+    rule = fa4.backward_unsupported
+    assert "head_dim 64 != head_dim_v 128" in rule(64, 128, 9)
+    assert "head_dim 128 != head_dim_v 64" in rule(128, 64, 9)
+    for head_dim in (32, 72, 80, 112, 160):
+        assert "not verified" in rule(head_dim, head_dim, 9), head_dim
+    for head_dim in (64, 96, 128, 192, 256):
+        assert rule(head_dim, head_dim, 9) is None
+    assert rule(64, 128, 10) is None and rule(80, 80, 10) is None
 
 
-def test_backward_with_a_score_mod_keeps_the_native_mask_on_80_row_tiles():
-    # Note [Backward with a score_mod]
+def test_backward_with_a_score_mod_keeps_the_native_mask():
+    # Note [Backward with a score_mod]: FA4's own tiles, no mask_mod for a native mask.
     from flexfa.codegen.cute.backend import plan_call
     from flexfa.frontend import trace_mask_mod, trace_score_mod
 
     causal = trace_mask_mod(flexfa.masks.causal)
     score = trace_score_mod(flexfa.mods.softcap(20.0))
-    for head_dim, rows_80 in ((64, False), (96, False), (128, True)):
-        call = plan_call(score, causal, len_q=256, len_kv=256, needs_grad=True, scale=0.1,
-                         head_dim=head_dim)  # fmt: skip
-        assert call.lowering.kind == call.bwd_lowering.kind == "causal"
-        assert call.bwd_rows_80 is rows_80, head_dim
-    no_mod = plan_call(None, causal, len_q=256, len_kv=256, needs_grad=True, scale=0.1,
-                       head_dim=128)  # fmt: skip
-    assert not no_mod.bwd_rows_80 and no_mod.hooks.mask_mod is None
+    call = plan_call(score, causal, len_q=256, len_kv=256, needs_grad=True, scale=0.1)
+    assert call.lowering.kind == call.bwd_lowering.kind == "causal"
+    assert call.hooks.mask_mod is None
+    no_mod = plan_call(None, causal, len_q=256, len_kv=256, needs_grad=True, scale=0.1)
+    assert no_mod.hooks.mask_mod is None
+
+
+def test_aux_tensors_are_contiguous_with_a_declared_leading_dim():
+    # Note [Aux tensor layouts]
+    from flexfa.codegen.cute.launch import aux_tensor
+
+    table = torch.randn(5, 3).t()  # not contiguous
+    cases = (
+        (table, (3, 5)),
+        (torch.tensor(0.5), (1,)),
+        (torch.ones(4, 1, dtype=torch.bool), (4, 1)),
+    )
+    for t, shape in cases:
+        a = aux_tensor(t)
+        assert a.shape == shape and a.is_contiguous() and a.__leading_dim__ == a.ndim - 1
+        assert torch.equal(a.to(t.dtype).reshape(t.shape), t)
 
 
 def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):

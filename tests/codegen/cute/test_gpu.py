@@ -56,6 +56,10 @@ def _dilated(case, dev):
     return None, fm.dilated_sliding_window(256, 3), ()
 
 
+def _softcap_causal(case, dev):
+    return fmods.softcap(20.0), fm.causal, ()
+
+
 def _key_bias(case, dev):
     # A 1-d captured tensor indexed by kv_idx and a 0-d one: both get gradients. (A bias indexed
     # by h alone would have a gradient of exactly 0: every row's dS sums to 0.)
@@ -83,11 +87,18 @@ CASES = [
     GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod"),
     GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, bf16, relative_bias, "causal"),
     GpuCase("relative_bias", 1, 4, 2, 1000, 1000, 64, bf16, relative_bias, "causal"),
-    # Native causal in the backward on 80-row tiles (Note [Backward with a score_mod]), without
-    # GQA; the GQA cases above run FA4's backward on repeated K/V (Note [GQA in FA4's score_mod
-    # backward]).
+    # FA4's own backward tiles with a score_mod: 64 rows at head dims 65..128 under causal and
+    # window masks (Note [Backward with a score_mod]), without GQA; the GQA cases run FA4's
+    # backward on repeated K/V (Note [GQA in FA4's score_mod backward]).
     GpuCase("relative_bias", 1, 4, 4, 1531, 1531, 128, bf16, relative_bias, "causal"),
     GpuCase("alibi_causal", 1, 8, 8, 1537, 1537, 128, f16, alibi_causal, "causal"),
+    GpuCase("alibi_causal", 1, 4, 4, 1000, 1000, 96, bf16, alibi_causal, "causal"),
+    GpuCase("relative_bias", 1, 4, 4, 1031, 1031, 96, bf16, relative_bias, "causal"),
+    GpuCase("relative_bias", 1, 8, 2, 1031, 1031, 96, bf16, relative_bias, "causal"),
+    GpuCase("key_bias", 2, 4, 4, 513, 777, 96, bf16, _key_bias, "full"),
+    GpuCase("softcap_window", 1, 4, 4, 2048, 2048, 96, bf16, softcap_window, "window"),
+    GpuCase("relative_bias", 1, 4, 4, 700, 700, 256, bf16, relative_bias, "causal"),
+    GpuCase("softcap_causal", 1, 4, 4, 700, 700, 256, bf16, _softcap_causal, "causal"),
     GpuCase("key_bias", 2, 4, 4, 513, 777, 64, bf16, _key_bias, "full"),
     GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, no_mask, "full"),
     GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod"),
@@ -185,14 +196,40 @@ def test_deterministic_refused_for_captured_gradients_on_gpu() -> None:
     assert torch.isfinite(out).all()
 
 
-def test_score_mod_gradients_refused_at_64_row_backward_tiles_on_gpu() -> None:
+def test_backward_refused_at_unverified_head_dims_on_gpu() -> None:
+    """FA4's sm90 backward gave wrong dQ at head dim 80, even without a score_mod
+    (`flexfa.backends.fa4.backward_unsupported`); the forward is right there."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("an sm90 rule")
-    q = torch.randn(1, 2, 256, 80, device="cuda", dtype=bf16, requires_grad=True)
-    with pytest.raises(ValueError, match="64-row tiles"):
-        flexfa.attention(q, q, q, fmods.softcap(20.0), backend="fa4")
-    with torch.no_grad():  # the forward alone is fine
-        assert torch.isfinite(flexfa.attention(q, q, q, fmods.softcap(20.0), backend="fa4")).all()
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 300, 80, device="cuda", dtype=f16) for _ in range(3))
+    with torch.no_grad():
+        out = flexfa.attention(q, k, v, block_mask=fm.causal, backend="fa4")
+    o, _ = reference_attention(q, k, v, None, fm.causal, dtype=torch.float64)
+    oe, _ = reference_attention(q, k, v, None, fm.causal, dtype=f16)
+    check = ThreeWay(f16)
+    check("out", out, oe, o)
+    check.assert_ok()
+    with pytest.raises(ValueError, match="head dim 80 is not verified"):
+        flexfa.attention(q.requires_grad_(), k, v, block_mask=fm.causal, backend="fa4")
+
+
+def test_unequal_head_dims_forward_only_on_gpu() -> None:
+    """head_dim != head_dim_v: FA4's forward matches the reference; gradients are refused on
+    sm90 (`flexfa.backends.fa4.backward_unsupported`)."""
+    torch.manual_seed(0)
+    q, k = (torch.randn(1, 4, 300, 128, device="cuda", dtype=bf16) for _ in range(2))
+    v = torch.randn(1, 4, 300, 64, device="cuda", dtype=bf16)
+    mod, mask = fmods.softcap(20.0), fm.causal
+    out = flexfa.attention(q, k, v, mod, mask, backend="fa4")
+    o, _ = reference_attention(q, k, v, mod, mask, dtype=torch.float64)
+    oe, _ = reference_attention(q, k, v, mod, mask, dtype=bf16)
+    check = ThreeWay(bf16)
+    check("out", out, oe, o)
+    check.assert_ok()
+    if torch.cuda.get_device_capability()[0] == 9:
+        with pytest.raises(ValueError, match="head_dim 128 != head_dim_v 64"):
+            flexfa.attention(q.requires_grad_(), k, v, mod, mask, backend="fa4")
 
 
 def test_unsupported_inputs_explained_on_gpu() -> None:

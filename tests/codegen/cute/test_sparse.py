@@ -57,7 +57,7 @@ def test_why_not_sparse():
     assert "128 x 128" in sparse.why_not_sparse(other, 128, 128, 9)
 
 
-def _plan(score, mask_mod, head_dim, monkeypatch, **kw):
+def _plan(score, mask_mod, monkeypatch, **kw):
     from flexfa.codegen.cute import backend, launch
 
     monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
@@ -70,7 +70,6 @@ def _plan(score, mask_mod, head_dim, monkeypatch, **kw):
         needs_grad=True,
         scale=1.0,
         block_mask=bm,
-        head_dim=head_dim,
         **kw,
     )
 
@@ -79,16 +78,28 @@ def test_plan_uses_lists_where_the_rules_allow(monkeypatch):
     from flexfa.frontend import trace_score_mod
 
     prefix = flexfa.masks.prefix_lm(100)
-    call = _plan(None, prefix, 128, monkeypatch)
+    call = _plan(None, prefix, monkeypatch)
     assert call.fwd_sparse is not None and call.bwd_sparse is not None
-    # A score_mod at head dim 128: the sparse backward would get 64-row tiles, so it is not used.
+    # With a score_mod too (Note [Backward with a score_mod]).
     softcap = trace_score_mod(flexfa.mods.softcap(20.0))
-    call = _plan(softcap, prefix, 128, monkeypatch)
-    assert call.fwd_sparse is not None and call.bwd_sparse is None
-    assert _plan(softcap, prefix, 64, monkeypatch).bwd_sparse is not None
+    call = _plan(softcap, prefix, monkeypatch)
+    assert call.fwd_sparse is not None and call.bwd_sparse is not None
     # deterministic=True: FA4's deterministic block-sparse backward needs write orders we do not
     # build, so the backward walks every tile.
-    assert _plan(None, prefix, 128, monkeypatch, deterministic=True).bwd_sparse is None
+    assert _plan(None, prefix, monkeypatch, deterministic=True).bwd_sparse is None
     # Native masks need no lists.
-    call = _plan(None, flexfa.masks.causal, 128, monkeypatch)
+    call = _plan(None, flexfa.masks.causal, monkeypatch)
     assert call.lowering.native and call.fwd_sparse is None and call.bwd_sparse is None
+
+
+def test_lists_have_row_major_strides_with_one_block():
+    # Note [Aux tensor layouts]: one KV block (len_kv 2) and one q-block (len_q 100) gave lists
+    # of size-1 dims with other strides, which FA4's stride check rejected after broadcasting.
+    for len_q, len_kv in ((175, 2), (100, 300), (100, 2)):
+        bm = flexfa.create_block_mask(
+            lambda b, h, q, kv: (q + kv) % 2 == 0, 2, 2, len_q, len_kv, BLOCK_SIZE=128
+        )
+        for lists in (sparse.forward_lists(bm), sparse.backward_lists(bm)):
+            for t in (lists.mask_cnt, lists.mask_idx, lists.full_cnt, lists.full_idx):
+                row_major = torch.empty(t.shape).stride()
+                assert t.stride() == row_major, (len_q, len_kv, t.shape, t.stride())
