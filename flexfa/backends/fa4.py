@@ -75,26 +75,19 @@ def head_dims_supported(head_dim: int, head_dim_v: int, arch_major: int) -> str 
 SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
 
 
-def backward_unsupported(head_dim: int, head_dim_v: int, arch_major: int) -> str | None:
-    """Why flexfa does not run FA4's backward for this call, or None (Note [Backward with a
-    score_mod] in flexfa/codegen/cute/backend.py). sm90 rules only: FA4's authors test its
-    Blackwell backward, which no flexfa machine can run."""
+def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) -> int | None:
+    """The head dim FA4's backward runs this call at, zero-padded (Note [Padded backward] in
+    flexfa/codegen/cute/backend.py), or None where it runs at the call's own head dims. sm90 only:
+    FA4's authors test its Blackwell backward, which no flexfa machine can run.
+
+    >>> backward_head_dim(80, 80, 9), backward_head_dim(128, 64, 9), backward_head_dim(64, 64, 9)
+    (96, 128, None)
+    """
     if arch_major != 9:
         return None
-    if head_dim != head_dim_v:
-        return (
-            f"FA4's sm90 backward at head_dim {head_dim} != head_dim_v {head_dim_v} failed in "
-            "flexfa's GPU tests (a launch error for head_dim < head_dim_v, wrong dQ and dK for "
-            "head_dim > head_dim_v); use the triton backend for gradients"
-        )
-    if head_dim not in SM90_BACKWARD_HEAD_DIMS:
-        dims = ", ".join(map(str, SM90_BACKWARD_HEAD_DIMS))
-        return (
-            f"FA4's sm90 backward at head dim {head_dim} is not verified (it gave wrong dQ at "
-            f"head dims 72, 80, 104 and 112 in flexfa's GPU tests, with and without a score_mod); "
-            f"flexfa runs it at head dims {dims}; use the triton backend for gradients"
-        )
-    return None
+    if head_dim == head_dim_v and head_dim in SM90_BACKWARD_HEAD_DIMS:
+        return None
+    return min(d for d in SM90_BACKWARD_HEAD_DIMS if d >= max(head_dim, head_dim_v))
 
 
 class Fa4Backend(Backend):
@@ -149,10 +142,6 @@ class Fa4Backend(Backend):
                         f"{traced.kind} {traced.name!r} captures {cap.name!r} of dtype {t.dtype}, "
                         "which FA4's aux tensors cannot carry"
                     )
-        if spec.needs_grad:
-            bad_backward = backward_unsupported(spec.head_dim, spec.head_dim_v, major)
-            if bad_backward is not None:
-                return Support.no(bad_backward)
         if spec.deterministic and spec.score_grad_slots:
             return Support.no(
                 "deterministic=True is not honoured for gradients of captured tensors on fa4 "

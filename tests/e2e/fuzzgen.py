@@ -415,10 +415,8 @@ def programs(
     head_dims: tuple[int, ...] = (8, 16),
     head_dims_v: tuple[int, ...] = (8, 12, 16),
     block_sizes=None,
-    same_head_dims: bool = False,
 ) -> Program:
-    """A random program: odd and length-1 sequences, Lq != Lkv, GQA groups of 1 to 3, E != Ev
-    (unless `same_head_dims`)."""
+    """A random program: odd and length-1 sequences, Lq != Lkv, GQA groups of 1 to 3, E != Ev."""
     heads_kv = draw(st.integers(1, 2))
     problem = Problem(
         batch=draw(st.integers(1, 2)),
@@ -426,8 +424,8 @@ def programs(
         heads_kv=heads_kv,
         len_q=draw(st.integers(1, max_len)),
         len_kv=draw(st.integers(1, max_len)),
-        head_dim=(head_dim := draw(st.sampled_from(head_dims))),
-        head_dim_v=head_dim if same_head_dims else draw(st.sampled_from(head_dims_v)),
+        head_dim=draw(st.sampled_from(head_dims)),
+        head_dim_v=draw(st.sampled_from(head_dims_v)),
         dtype=draw(st.sampled_from(dtypes)),
     )
     if block_sizes is None:
@@ -493,14 +491,14 @@ def gpu_programs():
 
 
 def fa4_programs():
-    """Programs for the "fa4" backend (FA4's kernels): float16/bfloat16, head dims 64 and 128
-    (equal: FA4's sm90 backward is refused at head_dim != head_dim_v, and every program checks
-    gradients), lengths up to 300, BlockMasks at FA4's tile size and others (the backend passes
-    those as a mask_mod alone)."""
+    """Programs for the "fa4" backend (FA4's kernels): float16/bfloat16, head dims 64, 80 and
+    128, equal or not (the last two run the padded backward, Note [Padded backward]), lengths up
+    to 300, BlockMasks at FA4's tile size and others (the backend passes those as a mask_mod
+    alone)."""
     return programs(
         dtypes=(torch.float16, torch.bfloat16),
         max_len=300,
-        head_dims=(64, 128),
+        head_dims=(64, 80, 128),
+        head_dims_v=(64, 80, 128),
         block_sizes=st.sampled_from([None, 128, (128, 128), (128, 64)]),
-        same_head_dims=True,
     )

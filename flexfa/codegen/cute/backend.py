@@ -34,6 +34,7 @@ class Call:
     fwd_sparse: sparse.SparseLists | None = None
     bwd_sparse: sparse.SparseLists | None = None
     bwd_kv_group: int = 1  # > 1: the backward runs on K/V repeated per query head
+    bwd_head_dim: int | None = None  # the backward's zero-padded head dim (Note [Padded backward])
     scalars: tuple[float, ...] = ()  # the score_mod's lifted scalars, FA4's aux_scalars
 
 
@@ -85,15 +86,25 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
 # failures had two other causes. GQA (Note [GQA in FA4's score_mod backward]), and head dims: on
 # the H200 FA4's backward gave wrong dQ at head dims 72, 80, 104 and 112, with a score_mod and
 # without one (FA4's own causal backward at head dim 80 included), and was right at 64, 88, 96,
-# 120, 128, 192 and 256. With GQA handled by repeated K/V, FA4's own tiles - 64 rows at head dims
-# 65..128 under causal and window masks - matched the float64 reference for ALiBi, learnable
-# relative-position tables, a learnable per-key bias and temperature, and softcap
-# (tests/codegen/cute/test_gpu.py), and ran ALiBi + causal forward+backward at 469 TFLOP/s against
-# 396 on the 80-row tiles. So the backward takes FA4's tiles as FA4 chooses them, on the native
-# masks, with block-sparse lists wherever they are wired, at the head dims the tests cover
-# (`flexfa.backends.fa4.SM90_BACKWARD_HEAD_DIMS`); `flexfa.backends.fa4.backward_unsupported`
-# refuses the others on sm90, and head_dim != head_dim_v (a launch error and wrong gradients in
-# the GPU fuzz).
+# 120, 128, 192 and 256 (Note [Padded backward]). With GQA handled by repeated K/V, FA4's own
+# tiles - 64 rows at head dims 65..128 under causal and window masks - matched the float64
+# reference for ALiBi, learnable relative-position tables, a learnable per-key bias and
+# temperature, and softcap (tests/codegen/cute/test_gpu.py), and ran ALiBi + causal
+# forward+backward at 469 TFLOP/s against 396 on the 80-row tiles. So the backward takes FA4's
+# tiles as FA4 chooses them, on the native masks, with block-sparse lists wherever they are wired.
+
+# Note [Padded backward]
+# FA4's sm90 backward is trusted at the head dims flexfa's GPU tests verified
+# (`flexfa.backends.fa4.SM90_BACKWARD_HEAD_DIMS`: 64, 96, 128, 192, 256, head_dim == head_dim_v).
+# Elsewhere it failed: wrong dQ at head dims 72, 80, 104 and 112; at head_dim != head_dim_v a
+# launch error (head_dim < head_dim_v), wrong dQ and dK (head_dim > head_dim_v, with a softcap),
+# and an assertion with GQA. So such a backward runs at the next verified head dim: q and k padded
+# with zeros to it (scores unchanged: the extra products are 0 * 0, and the scale stays the call's
+# own), v, the output and dO likewise (their extra columns are 0, so delta = rowsum(dO * O) is
+# unchanged), and dQ, dK, dV cut back. The result is exactly the unpadded one; the cost is the
+# copies and the FLOPs of the padding, in the backward only - the forward was right at every head
+# dim and runs unpadded. Not yet run on a GPU: the padding is checked on the CPU with a reference
+# standing in for FA4 (tests/codegen/cute/test_backend.py).
 
 
 def plan_call(
@@ -154,8 +165,14 @@ def uses_block_sparse(spec: AttentionSpec) -> bool:
     return why is None
 
 
+def _arch_major(device: torch.device) -> int | None:
+    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+
+
 def make_call(spec: AttentionSpec) -> Call:
-    return plan_call(
+    from flexfa.backends.fa4 import backward_head_dim
+
+    call = plan_call(
         spec.score_mod,
         None if spec.mask.is_trivially_true else spec.mask,
         len_q=spec.len_q,
@@ -166,6 +183,14 @@ def make_call(spec: AttentionSpec) -> Call:
         block_mask=spec.block_mask if uses_block_sparse(spec) else None,
         group_size=spec.group_size,
     )
+    if not spec.needs_grad:
+        return call
+    padded = backward_head_dim(spec.head_dim, spec.head_dim_v, _arch_major(spec.device))
+    return dataclasses.replace(call, bwd_head_dim=padded)
+
+
+def _pad_head_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, dim - t.shape[-1]))
 
 
 class _Fa4Function(torch.autograd.Function):
@@ -200,6 +225,11 @@ class _Fa4Function(torch.autograd.Function):
         ]
         aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
         aux += [launch.with_leading_dim(g.reshape(1) if g.ndim == 0 else g) for g in grads]
+        head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+        if call.bwd_head_dim is not None:  # Note [Padded backward]
+            q, k, v, out_fa4, dout = (
+                _pad_head_dim(t, call.bwd_head_dim) for t in (q, k, v, out_fa4, dout)
+            )
         group = call.bwd_kv_group
         if group > 1:  # Note [GQA in FA4's score_mod backward]
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
@@ -221,6 +251,8 @@ class _Fa4Function(torch.autograd.Function):
         )
         if group > 1:
             dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))
+        if call.bwd_head_dim is not None:
+            dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
         capture_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
         for slot, g in zip(call.grad_slots, grads):
             capture_grads[slot] = g.to(score_tensors[slot].dtype)

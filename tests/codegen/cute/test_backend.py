@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 import flexfa
@@ -75,16 +76,71 @@ def test_other_backends_never_import_cutlass_or_flash_attn():
     assert res.stdout.strip().splitlines()[-1] == "[]"
 
 
-def test_backward_refused_where_fa4_failed_or_is_unverified():
-    # Note [Backward with a score_mod]: sm90 rules only.
-    rule = fa4.backward_unsupported
-    assert "head_dim 64 != head_dim_v 128" in rule(64, 128, 9)
-    assert "head_dim 128 != head_dim_v 64" in rule(128, 64, 9)
-    for head_dim in (32, 72, 80, 112, 160):
-        assert "not verified" in rule(head_dim, head_dim, 9), head_dim
+def test_backward_head_dims():
+    # Note [Padded backward]: the next verified sm90 head dim, both dims equal; nothing elsewhere.
+    pad = fa4.backward_head_dim
     for head_dim in (64, 96, 128, 192, 256):
-        assert rule(head_dim, head_dim, 9) is None
-    assert rule(64, 128, 10) is None and rule(80, 80, 10) is None
+        assert pad(head_dim, head_dim, 9) is None
+    assert [pad(d, d, 9) for d in (8, 56, 72, 80, 88, 104, 120, 136, 200)] == (
+        [64, 64, 96, 96, 96, 128, 128, 192, 256]
+    )
+    assert pad(64, 128, 9) == pad(128, 64, 9) == 128 and pad(192, 128, 9) == 192
+    assert pad(80, 80, 10) is None and pad(64, 128, None) is None
+
+
+@pytest.mark.parametrize(
+    "heads_q, heads_kv, head_dim, head_dim_v, padded",
+    [(2, 2, 80, 80, 96), (4, 2, 64, 128, 128), (2, 2, 128, 64, 128), (2, 1, 40, 40, 64)],
+)
+def test_padded_backward_equals_the_unpadded_one(
+    monkeypatch, heads_q, heads_kv, head_dim, head_dim_v, padded
+):
+    """Note [Padded backward], with a float64 reference standing in for FA4: the backward gets
+    q, k, v, the output and dO zero-padded to the verified head dim, and the gradients it
+    returns, cut back, equal those of the call's own head dims."""
+    from flexfa.codegen.cute import backend, launch
+    from flexfa.reference import reference_attention
+
+    seen = {}
+    gqa = heads_q != heads_kv
+
+    def forward(q, k, v, *, scale, **kw):
+        out, lse = reference_attention(q, k, v, None, flexfa.masks.causal, scale=scale,
+                                       enable_gqa=gqa)  # fmt: skip
+        return out, lse, out.transpose(1, 2)
+
+    def backward(q, k, v, out_fa4, dout, lse, dlse, *, scale, **kw):
+        seen["dims"] = {t.shape[-1] for t in (q, k, v, out_fa4, dout)}
+        seen["padding_is_zero"] = all(
+            not t[..., n:].any()
+            for t, n in ((q, head_dim), (k, head_dim), (v, head_dim_v), (dout, head_dim_v))
+        )
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        with torch.enable_grad():  # autograd runs this inside a backward
+            out, lse = reference_attention(*leaves, None, flexfa.masks.causal, scale=scale,
+                                           enable_gqa=gqa)  # fmt: skip
+            return torch.autograd.grad((out, lse), leaves, (dout, dlse))
+
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+    monkeypatch.setattr(backend, "_arch_major", lambda device: 9)
+    torch.manual_seed(0)
+    f64 = torch.float64
+    q = torch.randn(1, heads_q, 37, head_dim, dtype=f64, requires_grad=True)
+    k = torch.randn(1, heads_kv, 37, head_dim, dtype=f64, requires_grad=True)
+    v = torch.randn(1, heads_kv, 37, head_dim_v, dtype=f64, requires_grad=True)
+    spec = build_spec(q, k, v, None, flexfa.masks.causal, enable_gqa=gqa)
+    assert backend.make_call(spec).bwd_head_dim == padded
+    out, lse = backend.run(spec, q, k, v)
+    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
+    assert seen == {"dims": {padded}, "padding_is_zero": True}
+    o, l = reference_attention(q, k, v, None, flexfa.masks.causal, enable_gqa=gqa)
+    want = torch.autograd.grad((o, l), (q, k, v), (dout, dlse))
+    for name, a, b in zip("qkv", got, want):
+        assert a.shape == b.shape, name
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
 
 
 def test_backward_with_a_score_mod_keeps_the_native_mask():

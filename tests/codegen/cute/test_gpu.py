@@ -196,40 +196,28 @@ def test_deterministic_refused_for_captured_gradients_on_gpu() -> None:
     assert torch.isfinite(out).all()
 
 
-def test_backward_refused_at_unverified_head_dims_on_gpu() -> None:
-    """FA4's sm90 backward gave wrong dQ at head dim 80, even without a score_mod
-    (`flexfa.backends.fa4.backward_unsupported`); the forward is right there."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("an sm90 rule")
+@pytest.mark.parametrize(
+    "head_dim, head_dim_v, score_mod",
+    [
+        (80, 80, None),
+        (72, 72, fmods.softcap(20.0)),
+        (128, 64, fmods.softcap(20.0)),
+        (64, 128, None),
+    ],
+    ids=["80", "72-softcap", "128-64-softcap", "64-128"],
+)
+def test_padded_backward_on_gpu(head_dim, head_dim_v, score_mod) -> None:
+    """Note [Padded backward]: head dims where FA4's sm90 backward failed run it on zero-padded
+    inputs at a verified head dim; forward and gradients against the reference."""
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 300, 80, device="cuda", dtype=f16) for _ in range(3))
-    with torch.no_grad():
-        out = flexfa.attention(q, k, v, block_mask=fm.causal, backend="fa4")
-    o, _ = reference_attention(q, k, v, None, fm.causal, dtype=torch.float64)
-    oe, _ = reference_attention(q, k, v, None, fm.causal, dtype=f16)
-    check = ThreeWay(f16)
-    check("out", out, oe, o)
-    check.assert_ok()
-    with pytest.raises(ValueError, match="head dim 80 is not verified"):
-        flexfa.attention(q.requires_grad_(), k, v, block_mask=fm.causal, backend="fa4")
-
-
-def test_unequal_head_dims_forward_only_on_gpu() -> None:
-    """head_dim != head_dim_v: FA4's forward matches the reference; gradients are refused on
-    sm90 (`flexfa.backends.fa4.backward_unsupported`)."""
-    torch.manual_seed(0)
-    q, k = (torch.randn(1, 4, 300, 128, device="cuda", dtype=bf16) for _ in range(2))
-    v = torch.randn(1, 4, 300, 64, device="cuda", dtype=bf16)
-    mod, mask = fmods.softcap(20.0), fm.causal
-    out = flexfa.attention(q, k, v, mod, mask, backend="fa4")
-    o, _ = reference_attention(q, k, v, mod, mask, dtype=torch.float64)
-    oe, _ = reference_attention(q, k, v, mod, mask, dtype=bf16)
-    check = ThreeWay(bf16)
-    check("out", out, oe, o)
-    check.assert_ok()
-    if torch.cuda.get_device_capability()[0] == 9:
-        with pytest.raises(ValueError, match="head_dim 128 != head_dim_v 64"):
-            flexfa.attention(q.requires_grad_(), k, v, mod, mask, backend="fa4")
+    shape = (1, 2, 300)
+    q, k = (
+        torch.randn(*shape, head_dim, device="cuda", dtype=f16, requires_grad=True) for _ in "qk"
+    )
+    v = torch.randn(*shape, head_dim_v, device="cuda", dtype=f16, requires_grad=True)
+    case = dataclasses.replace(CASES[0], dtype=f16, head_dim=head_dim)  # for the check's context
+    out, lse = flexfa.attention(q, k, v, score_mod, fm.causal, return_lse=True, backend="fa4")
+    common.check_against_reference(case, q, k, v, score_mod, fm.causal, (), out, lse)
 
 
 def test_unsupported_inputs_explained_on_gpu() -> None:
