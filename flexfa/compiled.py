@@ -35,8 +35,10 @@
 # graph replays the kernels with it: a mask_mod that reads a captured tensor (document ids) must
 # keep that tensor's values fixed across replays, or be called outside the graphed region. On the
 # H200 a decode loop (forward only) runs and replays right under CUDA graphs; a training step
-# (forward and backward) does not yet (tests/e2e/test_compile.py).
+# must set its grads to None each step (torch's rule for CUDA graph outputs, tests/e2e/
+# test_compile.py).
 # Eager calls never reach this module: `torch.compiler.is_compiling()` is the only cost they pay.
+# Importing it must not import Dynamo either (Note [Marked constant without Dynamo]).
 """
 
 from __future__ import annotations
@@ -236,7 +238,19 @@ def _mask_parts(block_mask: Any) -> tuple[Callable[..., Any] | None, BlockSize]:
     )
 
 
-@torch.compiler.assume_constant_result
+# Note [Marked constant without Dynamo]
+# `torch.compiler.assume_constant_result` imports torch._dynamo to set one attribute on the
+# function, and `import flexfa` paid for it: 2.4 of its 5.1 s on a 2-core CPU, for every user,
+# compiling or not. Dynamo reads the attribute only when it traces, by which time it is imported.
+# So flexfa sets the same attribute itself; tests/e2e/test_compile.py checks that it is exactly
+# what torch's decorator sets (a torch that marks constants differently fails that test) and that
+# `import flexfa` leaves Dynamo unimported.
+def _assume_constant_result(fn: Callable) -> Callable:
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return fn
+
+
+@_assume_constant_result
 def _describe(
     score_mod: Any,
     heads: Callable[[int], Any] | None,

@@ -250,3 +250,26 @@ def test_a_module_as_score_mod_under_compile_gets_its_gradient():
     f(x).sum().backward()
     torch.testing.assert_close(got, bias.table.grad, rtol=1e-5, atol=1e-6)
     assert got.abs().sum() > 0 and counter.frame_count == 1
+
+
+def test_describe_carries_exactly_torchs_constant_mark():
+    # Note [Marked constant without Dynamo]: the attribute flexfa sets is the one torch's public
+    # decorator sets, so Dynamo treats `_describe` as a constant-result function.
+    from flexfa import compiled
+
+    def marked():
+        return None
+
+    torch.compiler.assume_constant_result(marked)
+    assert vars(marked), "torch's decorator no longer marks the function by an attribute"
+    assert {k: getattr(compiled._describe, k, None) for k in vars(marked)} == vars(marked)
+
+
+def test_import_leaves_dynamo_unimported():
+    import subprocess
+    import sys
+
+    code = "import sys, flexfa; print('torch._dynamo' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "False", "import flexfa imported torch._dynamo"
