@@ -22,12 +22,14 @@ from hypothesis import HealthCheck, given, note, seed, settings
 from hypothesis import strategies as st
 
 import flexfa
+from flexfa.backends.fa4 import missing_package
 from flexfa.blockmask import exact, exact_triton
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid, TileList
 from tests.blockmask import oracle
 from tests.e2e.fuzzgen import (
     Program,
+    fa4_programs,
     gpu_programs,
     interpreter_programs,
     mask_mod_sources,
@@ -39,7 +41,7 @@ from tests.e2e.harness import INTERPRETER_TILES, Problem
 #: and test_constant_mods.py take 3.2 minutes of wall time together, 81 s of CPU time; tiled 60
 #: programs 10 s (100 since: about 16 s at that rate), Triton's interpreter 12 programs 60 s, the
 #: block-mask kernels 15 masks 25 s; the fixed regressions 5 s.
-_CI_EXAMPLES = {"tiled": 100, "triton": 12, "blockmask": 15, "gpu": 100}
+_CI_EXAMPLES = {"tiled": 100, "triton": 12, "blockmask": 15, "gpu": 100, "fa4": 30}
 _LONG = os.environ.get("FLEXFA_FUZZ_EXAMPLES")
 _SEED = int(os.environ.get("FLEXFA_FUZZ_SEED", "19"))
 
@@ -86,6 +88,15 @@ def test_fuzz_triton_interpreter(program):
 @given(program=gpu_programs())
 def test_fuzz_triton_gpu(program):
     run_program(program, "triton", device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(missing_package() is not None, reason=f"the fa4 backend: {missing_package()}")
+@fuzz_settings("fa4")  # each program compiles two FA4 kernels: a few seconds
+@seed(_SEED)
+@given(program=fa4_programs())
+def test_fuzz_fa4_gpu(program):
+    run_program(program, "fa4", device="cuda")
 
 
 @fuzz_settings("blockmask")
