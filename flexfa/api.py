@@ -314,5 +314,8 @@ def explain_backend(
     spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
     lines = []
     for name, answer in backends.explain(spec):
-        lines.append(f"{name}: yes" if answer.ok else f"{name}: no ({answer.reason})")
+        verdict = "yes" if answer.ok else "no"
+        lines.append(
+            f"{name}: {verdict} ({answer.reason})" if answer.reason else f"{name}: {verdict}"
+        )
     return "\n".join(lines)

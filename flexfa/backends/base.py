@@ -21,14 +21,15 @@ log = logging.getLogger("flexfa")
 
 @dataclasses.dataclass(frozen=True)
 class Support:
-    """A backend's answer: `ok`, or not and `reason`."""
+    """A backend's answer: `ok`, or not and `reason`; a yes may carry a note on how the call will
+    run (printed by `flexfa.explain_backend`)."""
 
     ok: bool
     reason: str = ""
 
     @staticmethod
-    def yes() -> Support:
-        return Support(True)
+    def yes(note: str = "") -> Support:
+        return Support(True, note)
 
     @staticmethod
     def no(reason: str) -> Support:

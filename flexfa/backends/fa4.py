@@ -147,6 +147,14 @@ class Fa4Backend(Backend):
                 "deterministic=True is not honoured for gradients of captured tensors on fa4 "
                 "(float32 atomic adds in an unfixed order); use the triton backend"
             )
+        padded = (
+            backward_head_dim(spec.head_dim, spec.head_dim_v, major) if spec.needs_grad else None
+        )
+        if padded is not None:
+            return Support.yes(
+                f"the backward runs at head dim {padded} on zero-padded inputs, where FA4's sm90 "
+                "backward is verified (Note [Padded backward])"
+            )
         return Support.yes()
 
     def run(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):

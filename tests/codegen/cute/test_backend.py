@@ -253,3 +253,17 @@ def test_block_sparse_lists_by_default_where_wired(monkeypatch):
     assert not backend.uses_block_sparse(cuda)  # sm100 lists are not wired
     assert backend.uses_block_sparse(dataclasses.replace(cuda, kernel_options={"block_sparse": 1}))
     assert not backend.uses_block_sparse(spec)  # a CPU spec never reaches FA4
+
+
+def test_support_notes_the_padded_backward(monkeypatch):
+    # Note [Padded backward]: explain_backend says how the backward will run.
+    if fa4.missing_package() is not None:
+        pytest.skip(fa4.missing_package())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    q = torch.randn(1, 2, 64, 80, dtype=torch.bfloat16, requires_grad=True)
+    spec = dataclasses.replace(build_spec(q, q, q, None, None), device=torch.device("cuda"))
+    answer = fa4.Fa4Backend().supports(spec)
+    assert answer.ok and "head dim 96 on zero-padded inputs" in answer.reason
+    with torch.no_grad():
+        spec = dataclasses.replace(build_spec(q, q, q, None, None), device=torch.device("cuda"))
+    assert fa4.Fa4Backend().supports(spec) == fa4.Support.yes()
