@@ -125,6 +125,7 @@ def compile_call(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from flexfa.api import _trace_score_mod
+    from flexfa.backends.fa4 import backward_head_dim
     from flexfa.blockmask.bind import resolve_block_mask
     from flexfa.codegen.cute import backend, launch
 
@@ -157,6 +158,7 @@ def compile_call(
             arch=number, block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
+        padded = None
         if backward:
             grads = [
                 launch.with_leading_dim(
@@ -164,6 +166,13 @@ def compile_call(
                 )
                 for s in grad_slots
             ]
+            # The backward flexfa runs: zero-padded where FA4's is not verified (Note [Padded
+            # backward] in backend.py; the padding itself costs no kernel of FA4's).
+            padded = backward_head_dim(head_dim, head_dim, number // 10)
+            if padded is not None:
+                q = k = v = torch.empty((*shape[:3], padded), dtype=dtype, device="cuda")
+                o_fa4 = torch.empty((1, seq_len, num_heads, padded), dtype=dtype, device="cuda")
+                o = o_fa4.transpose(1, 2)
             t0 = time.perf_counter()
             launch.backward(
                 q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
@@ -178,6 +187,8 @@ def compile_call(
     text = f"{lowering.kind}: {lowering.reason}"
     if call.bwd_lowering is not lowering:
         text += f"; backward {call.bwd_lowering.kind}: {call.bwd_lowering.reason}"
+    if backward and padded is not None:
+        text += f"; backward at head dim {padded}, zero-padded (Note [Padded backward])"
     text += "".join(
         f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
         ("backward", call.bwd_sparse)) if lists is not None
