@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flexfa.frontend import optable
 from flexfa.frontend import proxy as px
 from flexfa.ir import build as irb
 from flexfa.ir.dtypes import DType
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def _act_arg(args: tuple, kwargs: dict, i: int, key: str, default: float) -> float:
-    value = px._arg(args, kwargs, i, key, default)
+    value = optable._arg(args, kwargs, i, key, default)
     if isinstance(value, (px.Proxy, px.IndexedTensor, torch.Tensor)):
         tracer = px._find_tracer(args, kwargs)
         tracer.fail(f"activation parameter {key!r} must be a Python number inside a mod")
@@ -53,7 +54,7 @@ def _silu(tracer, args, kwargs):
 
 def _gelu(tracer, args, kwargs):
     x = _float_arg(tracer, args[0])
-    approximate = px._arg(args, kwargs, 1, "approximate", "none")
+    approximate = optable._arg(args, kwargs, 1, "approximate", "none")
     half_x = irb.mul(_f(x, 0.5), x)
     if approximate == "none":
         return irb.mul(half_x, irb.add(_f(x, 1.0), irb.unary(Op.ERF, irb.mul(x, _f(x, 0.5**0.5)))))

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from flexfa.frontend import optable
 from flexfa.frontend import proxy as px
 from flexfa.ir import build as irb
 from flexfa.ir.dtypes import DType
@@ -98,12 +99,12 @@ class VectorProxy:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         tracer = px._find_tracer(args, kwargs or {})
-        return px.dispatch(tracer, func, args, kwargs or {})
+        return optable.dispatch(tracer, func, args, kwargs or {})
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
             raise AttributeError(name)
-        if name not in VECTOR_METHODS and name not in px.METHOD_NAMES:
+        if name not in VECTOR_METHODS and name not in optable.METHOD_NAMES:
             raise AttributeError(f"traced tensors have no method {name!r} flexfa can trace")
         return lambda *args, **kwargs: dispatch(self._tracer, name, (self, *args), kwargs)
 
@@ -216,8 +217,8 @@ def _combine(op: Op):
 
 def _reduce(tracer: Tracer, name: str, args: tuple, kwargs: dict):
     v = _as_vector(tracer, args[0])
-    dim = px._arg(args, kwargs, 1, "dim")
-    keepdim = bool(px._arg(args, kwargs, 2, "keepdim", False))
+    dim = optable._arg(args, kwargs, 1, "dim")
+    keepdim = bool(optable._arg(args, kwargs, 2, "keepdim", False))
     if name in ("max", "min") and isinstance(dim, (px.Proxy, VectorProxy, px.IndexedTensor)):
         return dispatch(tracer, "maximum" if name == "max" else "minimum", args, kwargs)
     d = None if dim is None else _norm_dim(tracer, dim, max(v.ndim, 1))
@@ -293,7 +294,7 @@ def _getitem(tracer: Tracer, v: VectorProxy, index: Any):
 
 def dispatch(tracer: Tracer, name: Any, args: tuple, kwargs: dict) -> Any:
     """A torch call with at least one vector argument (Note [Unrolled reductions])."""
-    name = px._unwrap_name(name)
+    name = optable._unwrap_name(name)
     if name in _REDUCTIONS:
         return _reduce(tracer, name, args, kwargs)
     if name in ("dot", "inner", "vdot"):
@@ -305,12 +306,12 @@ def dispatch(tracer: Tracer, name: Any, args: tuple, kwargs: dict) -> Any:
         return _reduce(tracer, "sum", (dispatch(tracer, "mul", (a, b), {}),), {})
     if name == "unsqueeze":
         v = _as_vector(tracer, args[0])
-        d = px._arg(args, kwargs, 1, "dim")
+        d = optable._arg(args, kwargs, 1, "dim")
         d = _norm_dim(tracer, d, v.ndim + 1)
         return VectorProxy(tracer, (*v._shape[:d], 1, *v._shape[d:]), v._items)
     if name == "squeeze":
         v = _as_vector(tracer, args[0])
-        d = px._arg(args, kwargs, 1, "dim")
+        d = optable._arg(args, kwargs, 1, "dim")
         if d is None:
             shape = tuple(s for s in v._shape if s != 1)
         else:
@@ -344,7 +345,7 @@ def _elementwise(tracer: Tracer, name: str, args: tuple, kwargs: dict):
                 elem_args[key] = p
             else:
                 elem_kwargs[key] = p
-        out = px.dispatch(tracer, name, tuple(elem_args), elem_kwargs)
+        out = optable.dispatch(tracer, name, tuple(elem_args), elem_kwargs)
         if not isinstance(out, px.Proxy):
             tracer.fail(f"{name} of a traced tensor did not give one value per element")
         items.append(out.node)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flexfa.frontend import ModTraceError, trace_score_mod
-from flexfa.frontend.proxy import TRACEABLE_NAMES
+from flexfa.frontend.optable import TRACEABLE_NAMES
 from flexfa.frontend.vector import VECTOR_METHODS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "semantics.md"
