@@ -16,7 +16,8 @@ Programs the backend refuses (`supports()`: for "fa4" e.g. float32, or gradients
 score_mod where FA4's tiles are not verified) are counted as "unsupported", with their reasons.
 `--device cpu` runs the same driver through Triton's interpreter (tiny problems), to try it
 without a GPU. `--save FILE` only draws the programs (hypothesis) and writes them as JSON;
-`--load FILE` runs such a file, so the drawing can happen elsewhere.
+`--load FILE` runs such a file, so the drawing can happen elsewhere; `--done PROGRESS.jsonl`
+leaves out what earlier runs of that file reported, so a campaign can span several runs.
 """
 
 from __future__ import annotations
@@ -86,6 +87,14 @@ def main() -> None:
     parser.add_argument("--save", help="write the drawn programs to this JSON file and stop")
     parser.add_argument("--load", help="run the programs of this JSON file (from --save)")
     parser.add_argument("--skip", type=int, default=0, help="leave out the first N loaded programs")
+    parser.add_argument(
+        "--done",
+        action="append",
+        default=[],
+        metavar="JSONL",
+        help="leave out the programs an earlier run of the same --load file reported in this "
+        "fuzz_gpu_progress.jsonl (repeatable): a campaign spread over several runs",
+    )
     args = parser.parse_args()
 
     import torch
@@ -101,13 +110,22 @@ def main() -> None:
         from tests.e2e.fuzzgen import Program
 
         data = json.loads(Path(args.load).read_text())
-        progs = [Program.from_json(d) for d in data][args.skip : args.skip + args.programs]
+        progs = [Program.from_json(d) for d in data]
     else:
         progs = draw_programs(args.programs, args.seed, strategy)
     if args.save:
         Path(args.save).write_text(json.dumps([p.to_json() for p in progs]))
         print(f"{len(progs)} programs written to {args.save}")
         return
+    done = {
+        json.loads(line)["index"]
+        for path in args.done
+        for line in Path(path).read_text().splitlines()
+        if line.strip()
+    }
+    # (index in the loaded or drawn list, program): indices stay those of the list across runs.
+    items = [(i, p) for i, p in enumerate(progs) if i >= args.skip and i not in done]
+    items = items[: args.programs]
     drawn_s = time.monotonic() - t0
     deadline = time.monotonic() + args.seconds
     results = []
@@ -118,10 +136,10 @@ def main() -> None:
     with ctx.Pool(
         args.workers, initializer=_init, initargs=(deadline, args.device, args.backend)
     ) as pool:
-        for r in pool.imap_unordered(_run, list(enumerate(progs)), chunksize=1):
+        for r in pool.imap_unordered(_run, items, chunksize=1):
             results.append(r)
             if progress is not None and r[1] != "skipped":
-                line = {"index": args.skip + r[0], "status": r[1], "seconds": round(r[3], 2)}
+                line = {"index": r[0], "status": r[1], "seconds": round(r[3], 2)}
                 progress.write(json.dumps({**line, "detail": r[2]}) + "\n")
                 progress.flush()
     if progress is not None:
@@ -140,7 +158,9 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu (interpreter)",
         "seed": args.seed,
         "skipped_first": args.skip,
+        "done_before": len(done),
         "programs_drawn": len(progs),
+        "programs_this_run": len(items),
         "checked": checked,
         **counts,
         "workers": args.workers,

@@ -182,3 +182,34 @@ _OPEN: dict[tuple[str, str], str] = {}
 def test_fuzz_regressions(name, backend):
     options = INTERPRETER_TILES if backend == "triton" else None
     REGRESSIONS[name].check(backend, options)
+
+
+def test_gpu_fuzz_driver_spans_runs(tmp_path):
+    """bench/fuzz_gpu.py: results are appended as they come, and `--done` leaves out what an
+    earlier run of the same program file reported (fa4 on a CPU: every program is refused at
+    once, which is enough to walk the driver)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    programs = tmp_path / "programs.json"
+    progs = [Program(Problem(), score_mod=None, seed=s) for s in range(5)]
+    programs.write_text(json.dumps([p.to_json() for p in progs]))
+
+    def run(out: Path, *extra: str) -> list[int]:
+        out.mkdir()
+        cmd = [sys.executable, str(root / "bench" / "fuzz_gpu.py"), "--backend", "fa4"]
+        cmd += ["--device", "cpu", "--load", str(programs), "--workers", "1", *extra]
+        env = {**os.environ, "OUT": str(out)}
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=root)
+        assert res.returncode == 0, res.stderr[-2000:]
+        lines = (out / "fuzz_gpu_progress.jsonl").read_text().splitlines()
+        assert all(json.loads(x)["status"] == "unsupported" for x in lines)
+        return sorted(json.loads(x)["index"] for x in lines)
+
+    first = run(tmp_path / "a", "--skip", "1", "--programs", "2")
+    assert first == [1, 2]
+    done = str(tmp_path / "a" / "fuzz_gpu_progress.jsonl")
+    assert run(tmp_path / "b", "--done", done) == [0, 3, 4]
