@@ -34,29 +34,33 @@ def _as_dtype(tracer: Tracer, value: Any) -> DType | None:
 
 
 # Keys are torch function / method names.
-_BINARY_NAMES: dict[str, Op] = {}
-for _op, _names in {
-    Op.ADD: "add __add__ __iadd__",
-    Op.SUB: "sub subtract __sub__ __isub__",
-    Op.MUL: "mul multiply __mul__ __imul__",
-    Op.TRUEDIV: "true_divide __truediv__ __itruediv__ __div__",
-    Op.FLOORDIV: "floor_divide __floordiv__",
-    Op.MOD: "remainder __mod__",
-    Op.POW: "pow __pow__",
-    Op.MIN: "minimum",
-    Op.MAX: "maximum",
-    Op.LT: "lt less __lt__",
-    Op.LE: "le less_equal __le__",
-    Op.EQ: "eq __eq__",
-    Op.NE: "ne not_equal __ne__",
-    Op.AND: "logical_and bitwise_and __and__ __iand__",
-    Op.OR: "logical_or bitwise_or __or__ __ior__",
-    Op.XOR: "logical_xor bitwise_xor __xor__ __ixor__",
-    Op.SHL: "bitwise_left_shift __lshift__ __ilshift__",
-    Op.SHR: "bitwise_right_shift __rshift__ __irshift__",
-}.items():
-    for _n in _names.split():
-        _BINARY_NAMES[_n] = _op
+def _by_name(spellings: dict[Op, str]) -> dict[str, Op]:
+    """{op: "name other_name ..."} as {name: op}."""
+    return {name: op for op, names in spellings.items() for name in names.split()}
+
+
+_BINARY_NAMES = _by_name(
+    {
+        Op.ADD: "add __add__ __iadd__",
+        Op.SUB: "sub subtract __sub__ __isub__",
+        Op.MUL: "mul multiply __mul__ __imul__",
+        Op.TRUEDIV: "true_divide __truediv__ __itruediv__ __div__",
+        Op.FLOORDIV: "floor_divide __floordiv__",
+        Op.MOD: "remainder __mod__",
+        Op.POW: "pow __pow__",
+        Op.MIN: "minimum",
+        Op.MAX: "maximum",
+        Op.LT: "lt less __lt__",
+        Op.LE: "le less_equal __le__",
+        Op.EQ: "eq __eq__",
+        Op.NE: "ne not_equal __ne__",
+        Op.AND: "logical_and bitwise_and __and__ __iand__",
+        Op.OR: "logical_or bitwise_or __or__ __ior__",
+        Op.XOR: "logical_xor bitwise_xor __xor__ __ixor__",
+        Op.SHL: "bitwise_left_shift __lshift__ __ilshift__",
+        Op.SHR: "bitwise_right_shift __rshift__ __irshift__",
+    }
+)
 _SWAPPED_COMPARE = {
     "gt": Op.LT,
     "greater": Op.LT,
@@ -80,28 +84,27 @@ _REFLECTED = {
     "__rlshift__": Op.SHL,
     "__rrshift__": Op.SHR,
 }
-_UNARY_NAMES: dict[str, Op] = {}
-for _op, _names in {
-    Op.NEG: "neg negative __neg__",
-    Op.ABS: "abs absolute __abs__",
-    Op.SIGN: "sign sgn",
-    Op.EXP: "exp",
-    Op.EXP2: "exp2",
-    Op.LOG: "log",
-    Op.LOG2: "log2",
-    Op.SQRT: "sqrt",
-    Op.RSQRT: "rsqrt",
-    Op.TANH: "tanh",
-    Op.SIGMOID: "sigmoid expit special_expit",
-    Op.ERF: "erf special_erf",
-    Op.SIN: "sin",
-    Op.COS: "cos",
-    Op.FLOOR: "floor",
-    Op.CEIL: "ceil",
-    Op.NOT: "logical_not bitwise_not __invert__",
-}.items():
-    for _n in _names.split():
-        _UNARY_NAMES[_n] = _op
+_UNARY_NAMES = _by_name(
+    {
+        Op.NEG: "neg negative __neg__",
+        Op.ABS: "abs absolute __abs__",
+        Op.SIGN: "sign sgn",
+        Op.EXP: "exp",
+        Op.EXP2: "exp2",
+        Op.LOG: "log",
+        Op.LOG2: "log2",
+        Op.SQRT: "sqrt",
+        Op.RSQRT: "rsqrt",
+        Op.TANH: "tanh",
+        Op.SIGMOID: "sigmoid expit special_expit",
+        Op.ERF: "erf special_erf",
+        Op.SIN: "sin",
+        Op.COS: "cos",
+        Op.FLOOR: "floor",
+        Op.CEIL: "ceil",
+        Op.NOT: "logical_not bitwise_not __invert__",
+    }
+)
 
 _CAST_METHODS = {
     "float": DType.FLOAT32,

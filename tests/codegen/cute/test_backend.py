@@ -127,13 +127,16 @@ def test_padded_backward_equals_the_unpadded_one(
     monkeypatch.setattr(backend, "_arch_major", lambda device: 9)
     torch.manual_seed(0)
     f64 = torch.float64
-    q = torch.randn(1, heads_q, 37, head_dim, dtype=f64, requires_grad=True)
+    # q as a (B, L, H, E) buffer seen as (B, H, L, E); dO sliced; dLSE expanded, as lse.sum()
+    # hands it (layouts autograd really gives the backward).
+    q = torch.randn(1, 37, heads_q, head_dim, dtype=f64).transpose(1, 2).requires_grad_()
     k = torch.randn(1, heads_kv, 37, head_dim, dtype=f64, requires_grad=True)
     v = torch.randn(1, heads_kv, 37, head_dim_v, dtype=f64, requires_grad=True)
     spec = build_spec(q, k, v, None, flexfa.masks.causal, enable_gqa=gqa)
     assert backend.make_call(spec).bwd_head_dim == padded
     out, lse = backend.run(spec, q, k, v)
-    dout, dlse = torch.randn_like(out), torch.randn_like(lse)
+    dout = torch.randn(*out.shape[:-1], 2 * head_dim_v, dtype=f64)[..., ::2]
+    dlse = torch.randn(1, 1, 1, dtype=f64).expand_as(lse)
     got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     assert seen == {"dims": {padded}, "padding_is_zero": True}
     o, l = reference_attention(q, k, v, None, flexfa.masks.causal, enable_gqa=gqa)
