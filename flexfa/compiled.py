@@ -57,6 +57,7 @@ from flexfa import backends
 from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
+from flexfa.layout import empty_like_query
 from flexfa.mods import HeadsDependentMod
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 
@@ -385,8 +386,10 @@ def saved_dtype(
     unrounded output]), the Triton kernels only when a captured tensor needs a gradient (Note
     [Unrounded output for delta] in flexfa/codegen/triton/backend.py).
     """
-    if dtype in (torch.float32, torch.float64):
+    if dtype in (torch.float32, torch.float64) or backend == "fa4":
         return None
+    # On CUDA, auto runs such calls on triton (fa4 only without 16-bit captured gradients: Note
+    # [Which backend auto picks] in flexfa/backends/fa4.py), so the answer is the same for both.
     triton = backend == "triton" or (backend == "auto" and device.type == "cuda")
     return torch.float32 if capture_grads or not triton else None
 
@@ -423,11 +426,11 @@ def _(q, k, v, score_tensors, mask_tensors, scalars, key, scale, grad_mask, max_
     d = _lookup(key)
     B, Hq, Lq = q.shape[0], q.shape[1], q.shape[2]
     Ev = v.shape[3]
-    out = q.new_empty(B, Hq, Lq, Ev)
+    out = empty_like_query(q, (B, Hq, Lq, Ev))  # the real output's strides: Note [Output layout]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse = q.new_empty(B, Hq, Lq, dtype=lse_dtype)
     want = saved_dtype(d.backend, q.device, q.dtype, grad_mask != 0)
-    saved = q.new_empty(0) if want is None else q.new_empty(B, Hq, Lq, Ev, dtype=want)
+    saved = q.new_empty(0) if want is None else empty_like_query(q, (B, Hq, Lq, Ev), want)
     row_max = q.new_empty(B, Hq, Lq, dtype=lse_dtype) if max_scores else lse.new_empty(0)
     return out, lse, saved, row_max
 

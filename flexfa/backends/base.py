@@ -49,6 +49,12 @@ class Backend(abc.ABC):
     #: Whether `run` reads K and V through a page table (`spec.paged`, flexfa/paged.py).
     supports_paged: bool = False
 
+    def auto_prefers(self, spec: AttentionSpec) -> bool:
+        """Whether `auto` tries this backend for `spec` at all. A backend that declines is skipped
+        without a warning: `auto` takes it only where measurements say it is the faster one
+        (Note [Which backend auto picks])."""
+        return True
+
     @abc.abstractmethod
     def supports(self, spec: AttentionSpec) -> Support: ...
 
@@ -154,6 +160,9 @@ def select(requested: str, spec: AttentionSpec) -> Backend:
     for name in names():
         backend = _load(name)
         if backend is None or device_type not in backend.auto_device_types:
+            continue
+        if not backend.auto_prefers(spec):
+            log.debug("flexfa: auto skips backend %s for this call", backend.name)
             continue
         answer = _supports(backend, spec)
         if answer:

@@ -6,7 +6,8 @@ native causal or sliding window, and adds gradients of captured tensors, which F
 compute. Needs the optional extra: `pip install "flexfa[fa4]"` (flash-attn-4 and the CuTe DSL).
 
 This module imports neither: `supports` reads package metadata only, and `run` imports them on the
-first call. `backend="auto"` does not pick "fa4" yet; ask for it with `backend="fa4"`.
+first call. `backend="auto"` picks "fa4" where it measured faster than flexfa's Triton kernels
+(Note [Which backend auto picks]); `backend="fa4"` asks for it anywhere it runs.
 
 >>> import torch, flexfa
 >>> q = k = v = torch.randn(1, 1, 16, 16)
@@ -90,10 +91,59 @@ def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) ->
     return min(d for d in SM90_BACKWARD_HEAD_DIMS if d >= max(head_dim, head_dim_v))
 
 
+# Note [Which backend auto picks]
+# On the H200 (docs/performance.md, B=2, H=16, N=8192, D=128), FA4's kernels with generated mods
+# ran at 0.98-1.52x the best peer forward and 1.00-1.29x forward+backward, where flexfa's Triton
+# kernels ran at 0.64-0.98x forward; the Triton decode kernels (split KV, GQA packed in the tile's
+# rows) beat everything FA4 has on sm90 for short queries. So `auto` tries fa4 first, but only for
+# calls like those measured, and otherwise moves on to triton without a warning:
+#   - sm90: FA4's sm100 kernels are compiled here, never run (docs/cute.md);
+#   - at least 128 queries (one FA4 tile of rows): shorter ones are the decode kernels' ground;
+#   - no `kernel_options` (those are the Triton kernels' knobs), not deterministic (not measured);
+#   - a backward, if any, at head dims FA4's backward is verified at (no padding: not measured);
+#   - no float16/bfloat16 gradients of captured tensors: FA4 writes no float32 output, so its
+#     delta = rowsum(dO * O) comes from the rounded output, and a gradient that sums many ds
+#     (a learnable shift, a per-head bias) carries the rounding of every row's delta (the fuzzer
+#     found such a gradient 2.7x over the three-way bound in float16). The Triton kernels keep a
+#     float32 output for such calls (Note [Unrounded output for delta] in
+#     flexfa/codegen/triton/backend.py);
+#   - a mask FA4 runs natively (causal, windows: Note [Native masks from the IR]), or one whose
+#     BlockMask has few partial tiles and reaches FA4 as block-sparse lists: at most
+#     `_AUTO_MAX_PARTIAL` of its non-empty tiles partial. `bench/auto_choice.py` (B*N = 16384,
+#     H=16, D=128, bf16): prefix-LM 2048 (2% partial at N=8192) ran 1.36x / 1.45x faster on fa4
+#     than on triton forward / forward+backward, document-causal masks (39-46% partial) 0.64-0.91x
+#     / 0.95-1.05x: FA4's sm90 forward evaluates mask_mods one element at a time;
+#   - and whatever `supports` requires.
+# `explain_backend` says for each backend whether it can run a call; `backend="fa4"` runs it
+# wherever `supports` allows.
+_AUTO_MIN_LEN_Q = 128
+_AUTO_MAX_PARTIAL = 0.25
+
+
 class Fa4Backend(Backend):
     name = "fa4"
-    # Not considered by "auto": it is chosen explicitly until measured plans rank it.
-    auto_device_types = frozenset()
+    auto_device_types = frozenset({"cuda"})
+
+    def auto_prefers(self, spec: AttentionSpec) -> bool:
+        """Note [Which backend auto picks]."""
+        if spec.device.type != "cuda" or spec.len_q < _AUTO_MIN_LEN_Q:
+            return False
+        if spec.kernel_options or spec.deterministic or spec.paged is not None:
+            return False
+        if torch.cuda.get_device_capability(spec.device)[0] != 9:
+            return False
+        answer = self.supports(spec)
+        if not answer or answer.reason:  # notes: a padded backward, 16-bit captured gradients
+            return False
+        if spec.mask.is_trivially_true:
+            return True
+        from flexfa.codegen.cute import backend
+
+        if spec.block_mask.partial_fraction <= _AUTO_MAX_PARTIAL and backend.uses_block_sparse(
+            spec
+        ):
+            return True
+        return backend.mask_lowering(spec.mask, spec.len_q, spec.len_kv).native
 
     def supports(self, spec: AttentionSpec) -> Support:
         if spec.kv_fp8:
@@ -147,20 +197,47 @@ class Fa4Backend(Backend):
                 "deterministic=True is not honoured for gradients of captured tensors on fa4 "
                 "(float32 atomic adds in an unfixed order); use the triton backend"
             )
+        notes = []
         padded = (
             backward_head_dim(spec.head_dim, spec.head_dim_v, major) if spec.needs_grad else None
         )
         if padded is not None:
-            return Support.yes(
+            notes.append(
                 f"the backward runs at head dim {padded} on zero-padded inputs, where FA4's sm90 "
                 "backward is verified (Note [Padded backward])"
             )
-        return Support.yes()
+        if spec.needs_grad and spec.score_grad_slots:
+            notes.append(
+                "captured-tensor gradients take the backward's delta from the rounded "
+                f"{str(spec.dtype).removeprefix('torch.')} output (FA4 writes no float32 one): "
+                "sums of many ds, like a learnable shift's, are less exact than on triton (Note "
+                "[Which backend auto picks])"
+            )
+        return Support.yes("; ".join(notes))
 
     def run(self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         from flexfa.codegen.cute import backend
 
         return backend.run(spec, q, k, v)
+
+    def forward(self, spec, q, k, v):
+        from flexfa.codegen.cute import backend
+
+        out, lse = backend.forward(backend.make_call(spec), q, k, v, _score_tensors(spec))
+        return out, lse, out, None  # the backward reads the output itself
+
+    def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
+        from flexfa.codegen.cute import backend
+
+        call = backend.make_call(spec)
+        dq, dk, dv, captured = backend.backward(
+            call, q, k, v, saved, lse, dout, dlse, _score_tensors(spec)
+        )
+        return dq, dk, dv, {s: g for s, g in captured.items() if s in grad_slots}
+
+
+def _score_tensors(spec: AttentionSpec) -> tuple[torch.Tensor, ...]:
+    return spec.score_mod.tensors if spec.score_mod is not None else ()
 
 
 register(Fa4Backend())

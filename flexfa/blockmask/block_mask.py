@@ -257,6 +257,20 @@ class BlockMask:
         states = self.tile_states()
         return float((states != int(TileState.EMPTY)).float().mean())
 
+    @functools.cached_property
+    def partial_fraction(self) -> float:
+        """The share of non-empty tiles that are partial (evaluate the mask_mod), over the stored
+        (b, h); 0.0 for a mask without non-empty tiles. Computed once per BlockMask.
+
+        >>> import flexfa
+        >>> bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 512, 512, device="cpu")
+        >>> bm.partial_fraction  # 4 diagonal tiles of 10 non-empty ones
+        0.4
+        """
+        partial = int(self.kv_partial.count.sum())
+        full = int(self.kv_full.count.sum())
+        return partial / (partial + full) if partial + full else 0.0
+
     def sparsity(self) -> float:
         """Percentage of tiles that are skipped (empty), over all (b, h) of the stored dims."""
         return 100.0 * (1.0 - self._density)

@@ -273,3 +273,22 @@ def test_import_leaves_dynamo_unimported():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert res.stdout.strip() == "False", "import flexfa imported torch._dynamo"
+
+
+def test_the_ops_fake_output_has_the_real_strides():
+    """Under torch.compile the op's fake output stands for the real one: both follow q's stride
+    order (Note [Output layout]), or Inductor's stride assertions would fail on a permuted q."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flexfa.compiled import compiled_attention
+
+    q = torch.randn(1, 9, 2, 16).transpose(1, 2)  # (B, H, L, E) over a (B, L, H, E) buffer
+    k, v = torch.randn(1, 2, 9, 16), torch.randn(1, 2, 9, 8)
+    kw = dict(scale=None, enable_gqa=False, backend="tiled", kernel_options=None,
+              deterministic=False)  # fmt: skip
+    real = compiled_attention(q, k, v, rel_bias, flexfa.masks.causal, **kw)[0]
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        fq, fk, fv = (mode.from_tensor(t) for t in (q, k, v))
+        fake = compiled_attention(fq, fk, fv, rel_bias, flexfa.masks.causal, **kw)[0]
+    assert real.transpose(1, 2).is_contiguous()
+    assert fake.shape == real.shape and fake.stride() == real.stride()

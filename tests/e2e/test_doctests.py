@@ -19,6 +19,8 @@ MODULES = [
     "flexfa.merge",
     "flexfa.paged",
     "flexfa.codegen.cute.plan",
+    "flexfa.codegen.cute.sparse",
+    "flexfa.blockmask.block_mask",
     "flexfa.backends.fa4",
     "flexfa.torch_options",
     "flexfa.persist",

@@ -45,3 +45,19 @@ def test_output_stride_order_follows_q(backend):
                 want = flex_attention(q.double(), k.double(), v.double())
             assert out.stride() == want.stride()
             torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_output_follows_q():
+    """The decode kernels (a short q against a longer KV, flexfa/codegen/triton/decode.py)
+    allocate their output by the same rule."""
+    if not flexfa.config.triton_interpret:
+        pytest.skip("the Triton decode kernels run on the CPU only under TRITON_INTERPRET=1")
+    k = torch.randn(B, H, 40, E)
+    v = torch.randn(B, H, 40, EV)
+    for perm in [(0, 2, 1, 3), (2, 1, 0, 3)]:
+        shape = (B, H, 2, E)
+        base = torch.randn([shape[d] for d in perm])
+        q = base.permute([perm.index(d) for d in range(4)])
+        out = flexfa.attention(q, k, v, backend="triton")
+        assert out.stride() == _permute_strides(torch.empty(B, H, 2, EV), q.stride()).stride()
+        torch.testing.assert_close(out, flexfa.attention(q.contiguous(), k, v, backend="tiled"))

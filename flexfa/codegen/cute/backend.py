@@ -17,6 +17,7 @@ from flexfa.codegen.cute import launch, module, sparse
 from flexfa.codegen.cute.launch import Hooks
 from flexfa.codegen.cute.plan import MaskLowering, lower_mask
 from flexfa.frontend.trace import TracedMod
+from flexfa.layout import empty_like_query
 from flexfa.spec import AttentionSpec
 
 
@@ -103,8 +104,10 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
 # own), v, the output and dO likewise (their extra columns are 0, so delta = rowsum(dO * O) is
 # unchanged), and dQ, dK, dV cut back. The result is exactly the unpadded one; the cost is the
 # copies and the FLOPs of the padding, in the backward only - the forward was right at every head
-# dim and runs unpadded. Not yet run on a GPU: the padding is checked on the CPU with a reference
-# standing in for FA4 (tests/codegen/cute/test_backend.py).
+# dim and runs unpadded. On the H200 the padded backward matched the float64 reference at head
+# dims 80, 72 (softcap), 128/64 (softcap) and 64/128 (tests/codegen/cute/test_gpu.py), and the
+# padding itself is checked on the CPU with a reference standing in for FA4
+# (tests/codegen/cute/test_backend.py).
 
 
 def plan_call(
@@ -118,6 +121,7 @@ def plan_call(
     deterministic: bool = False,
     block_mask: BlockMask | None = None,
     group_size: int = 1,
+    arch_major: int = 9,
 ) -> Call:
     """Mask lowerings of both passes and the generated hooks for one call's mods. With
     `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
@@ -132,10 +136,10 @@ def plan_call(
     fwd_sparse = bwd_sparse = None
     if block_mask is not None and mask is not None:
         if not lowering.native:
-            fwd_sparse = sparse.forward_lists(block_mask)
+            fwd_sparse = sparse.forward_lists(block_mask, arch_major)
         # FA4's deterministic block-sparse backward needs write orders flexfa does not build.
         if needs_grad and not bwd_lowering.native and not deterministic:
-            bwd_sparse = sparse.backward_lists(block_mask)
+            bwd_sparse = sparse.backward_lists(block_mask, arch_major)
     return Call(
         scale=scale,
         lowering=lowering,
@@ -182,6 +186,7 @@ def make_call(spec: AttentionSpec) -> Call:
         deterministic=spec.deterministic,
         block_mask=spec.block_mask if uses_block_sparse(spec) else None,
         group_size=spec.group_size,
+        arch_major=_arch_major(spec.device) or 9,
     )
     if not spec.needs_grad:
         return call
@@ -193,70 +198,82 @@ def _pad_head_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.nn.functional.pad(t, (0, dim - t.shape[-1]))
 
 
+def forward(call: Call, q, k, v, score_tensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4's forward for one planned call: (out [B, Hq, Lq, Ev] in q's stride order, lse)."""
+    aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
+    B, Hq, Lq, _ = q.shape
+    out = empty_like_query(q, (B, Hq, Lq, v.shape[-1]))  # Note [Output layout]
+    return launch.forward(
+        q,
+        k,
+        v,
+        out=out,
+        scale=call.scale,
+        lowering=call.lowering,
+        hooks=call.hooks,
+        aux_tensors=aux,
+        block_sparse=call.fwd_sparse,
+        scalars=call.scalars,
+    )
+
+
+def backward(
+    call: Call, q, k, v, out, lse, dout, dlse, score_tensors
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
+    """FA4's backward for one planned call: (dq, dk, dv, {slot: gradient of that captured tensor
+    of the score_mod, in its dtype}) for every slot in `call.grad_slots`."""
+    if dout is None:
+        dout = torch.zeros_like(out)
+    grads = [
+        torch.zeros(score_tensors[s].shape, dtype=torch.float32, device=q.device)
+        for s in call.grad_slots
+    ]
+    aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
+    aux += [launch.with_leading_dim(g.reshape(1) if g.ndim == 0 else g) for g in grads]
+    head_dim, head_dim_v = q.shape[-1], v.shape[-1]
+    if call.bwd_head_dim is not None:  # Note [Padded backward]
+        q, k, v, out, dout = (_pad_head_dim(t, call.bwd_head_dim) for t in (q, k, v, out, dout))
+    group = call.bwd_kv_group
+    if group > 1:  # Note [GQA in FA4's score_mod backward]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    dq, dk, dv = launch.backward(
+        q,
+        k,
+        v,
+        out,
+        dout,
+        lse,
+        dlse,
+        scale=call.scale,
+        lowering=call.bwd_lowering,
+        hooks=call.hooks,
+        aux_tensors=aux,
+        deterministic=call.deterministic,
+        block_sparse=call.bwd_sparse,
+        scalars=call.scalars,
+    )
+    if group > 1:
+        dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))
+    if call.bwd_head_dim is not None:
+        dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
+    captured = {s: g.to(score_tensors[s].dtype) for s, g in zip(call.grad_slots, grads)}
+    return dq, dk, dv, captured
+
+
 class _Fa4Function(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, call: Call, *score_tensors):
-        aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
-        out, lse, out_fa4 = launch.forward(
-            q,
-            k,
-            v,
-            scale=call.scale,
-            lowering=call.lowering,
-            hooks=call.hooks,
-            aux_tensors=aux,
-            block_sparse=call.fwd_sparse,
-            scalars=call.scalars,
-        )
-        ctx.save_for_backward(q, k, v, out_fa4, lse, *score_tensors)
+        out, lse = forward(call, q, k, v, score_tensors)
+        ctx.save_for_backward(q, k, v, out, lse, *score_tensors)
         ctx.call = call
         ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
-        q, k, v, out_fa4, lse, *score_tensors = ctx.saved_tensors
-        call: Call = ctx.call
-        if dout is None:
-            dout = torch.zeros_like(out_fa4).transpose(1, 2)
-        grads = [
-            torch.zeros(score_tensors[s].shape, dtype=torch.float32, device=q.device)
-            for s in call.grad_slots
-        ]
-        aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
-        aux += [launch.with_leading_dim(g.reshape(1) if g.ndim == 0 else g) for g in grads]
-        head_dim, head_dim_v = q.shape[-1], v.shape[-1]
-        if call.bwd_head_dim is not None:  # Note [Padded backward]
-            q, k, v, out_fa4, dout = (
-                _pad_head_dim(t, call.bwd_head_dim) for t in (q, k, v, out_fa4, dout)
-            )
-        group = call.bwd_kv_group
-        if group > 1:  # Note [GQA in FA4's score_mod backward]
-            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        dq, dk, dv = launch.backward(
-            q,
-            k,
-            v,
-            out_fa4,
-            dout,
-            lse,
-            dlse,
-            scale=call.scale,
-            lowering=call.bwd_lowering,
-            hooks=call.hooks,
-            aux_tensors=aux,
-            deterministic=call.deterministic,
-            block_sparse=call.bwd_sparse,
-            scalars=call.scalars,
-        )
-        if group > 1:
-            dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))
-        if call.bwd_head_dim is not None:
-            dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :head_dim_v]
-        capture_grads: list[torch.Tensor | None] = [None] * len(score_tensors)
-        for slot, g in zip(call.grad_slots, grads):
-            capture_grads[slot] = g.to(score_tensors[slot].dtype)
-        return dq, dk, dv, None, *capture_grads
+        q, k, v, out, lse, *score_tensors = ctx.saved_tensors
+        dq, dk, dv, captured = backward(ctx.call, q, k, v, out, lse, dout, dlse, score_tensors)
+        return dq, dk, dv, None, *(captured.get(s) for s in range(len(score_tensors)))
 
 
 def run(spec: AttentionSpec, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:

@@ -81,6 +81,7 @@ def forward(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    out: torch.Tensor,
     scale: float,
     lowering: MaskLowering,
     hooks: Hooks,
@@ -88,12 +89,13 @@ def forward(
     arch: int | None = None,
     block_sparse: SparseLists | None = None,
     scalars: tuple[float, ...] = (),
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FA4's forward. Returns (out in flexfa's layout, lse [B, H, Lq] natural log, out in FA4's
-    layout for the backward)."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FA4's forward, writing into `out` ([B, H, Lq, Ev], any stride order with a unit-stride
+    head dim: the caller gives it q's, Note [Output layout] in flexfa/layout.py). Returns (out,
+    lse [B, H, Lq] natural log)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
-    out, lse, *_ = _flash_attn_fwd(
+    _, lse, *_ = _flash_attn_fwd(
         _fa4_layout(q),
         _fa4_layout(k),
         _fa4_layout(v),
@@ -104,17 +106,18 @@ def forward(
         aux_scalars=aux_scalars(scalars),
         block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         return_lse=True,
+        out=_fa4_layout(out),
         _arch=arch,
         **lowering.fa4_kwargs(),
     )
-    return out.transpose(1, 2), lse, out
+    return out, lse
 
 
 def backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    out_fa4: torch.Tensor,
+    out: torch.Tensor,
     dout: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
@@ -136,7 +139,7 @@ def backward(
         _fa4_layout(q),
         _fa4_layout(k),
         _fa4_layout(v),
-        out_fa4,
+        _fa4_layout(out),
         _fa4_layout(dout),
         lse,
         softmax_scale=scale,

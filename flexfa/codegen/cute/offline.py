@@ -140,6 +140,7 @@ def compile_call(
         needs_grad=backward,
         scale=head_dim**-0.5,
         block_mask=bm if block_sparse else None,
+        arch_major=number // 10,
     )
     captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
     grad_slots = call.grad_slots
@@ -153,9 +154,10 @@ def compile_call(
             for shape, dt in aux_specs
         ]
         t0 = time.perf_counter()
-        o, lse, o_fa4 = launch.forward(
-            q, k, v, scale=call.scale, lowering=call.lowering, hooks=call.hooks, aux_tensors=aux,
-            arch=number, block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
+        o, lse = launch.forward(
+            q, k, v, out=torch.empty_like(q), scale=call.scale, lowering=call.lowering,
+            hooks=call.hooks, aux_tensors=aux, arch=number,
+            block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
         padded = None
@@ -170,12 +172,10 @@ def compile_call(
             # backward] in backend.py; the padding itself costs no kernel of FA4's).
             padded = backward_head_dim(head_dim, head_dim, number // 10)
             if padded is not None:
-                q = k = v = torch.empty((*shape[:3], padded), dtype=dtype, device="cuda")
-                o_fa4 = torch.empty((1, seq_len, num_heads, padded), dtype=dtype, device="cuda")
-                o = o_fa4.transpose(1, 2)
+                q = k = v = o = torch.empty((*shape[:3], padded), dtype=dtype, device="cuda")
             t0 = time.perf_counter()
             launch.backward(
-                q, k, v, o_fa4, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
+                q, k, v, o, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
                 lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
                 scalars=call.scalars,

@@ -36,6 +36,7 @@ from flexfa.codegen.triton.launch import KernelLaunch, launch
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey, _check_positive, _check_pow2
 from flexfa.codegen.triton.plan import plan_key
+from flexfa.layout import empty_like_query
 from flexfa.persist import persistent
 from flexfa.spec import AttentionSpec
 
@@ -543,9 +544,8 @@ def run(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Output and LSE of a call through the decode kernels (no autograd: inference only)."""
     with torch.no_grad():
-        out = torch.empty(
-            spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v, dtype=q.dtype, device=q.device
-        )
+        shape = (spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v)
+        out = empty_like_query(q, shape)  # Note [Output layout]
         lse = torch.empty(
             spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device
         )

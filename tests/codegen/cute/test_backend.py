@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -19,9 +20,64 @@ from flexfa.backends import fa4
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def test_registered_but_not_chosen_by_auto():
-    assert "fa4" in flexfa.backends.names()
-    assert fa4.Fa4Backend.auto_device_types == frozenset()
+def test_registered_first_for_auto_on_cuda():
+    assert flexfa.backends.names()[:2] == ["fa4", "triton"]
+    assert fa4.Fa4Backend.auto_device_types == frozenset({"cuda"})
+
+
+def _cuda_spec(
+    len_q=256, head_dim=128, dtype=torch.bfloat16, score_mod=None, grad=True, mask=None, **kw
+):
+    q = torch.randn(1, 2, len_q, head_dim, dtype=dtype, requires_grad=grad)
+    spec = build_spec(q, q, q, score_mod, mask or flexfa.masks.causal, **kw)
+    return dataclasses.replace(spec, device=torch.device("cuda"))
+
+
+def test_auto_takes_fa4_only_where_it_measured_fastest(monkeypatch):
+    # Note [Which backend auto picks]
+    monkeypatch.setattr(fa4, "missing_package", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    prefers = fa4.Fa4Backend().auto_prefers
+    assert prefers(_cuda_spec())
+    assert prefers(_cuda_spec(score_mod=flexfa.mods.softcap(30.0), dtype=torch.float16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # choosing fa4 warns about nothing
+        assert flexfa.backends.select("auto", _cuda_spec()).name == "fa4"
+    assert prefers(_cuda_spec(head_dim=80, grad=False))  # the forward runs at any head dim
+    table = torch.randn(2, 65, dtype=torch.bfloat16)
+    assert prefers(_cuda_spec(score_mod=flexfa.mods.relative_bias(table, 32)))  # no grad: fine
+    declined = {
+        "decode-sized queries": _cuda_spec(len_q=64),
+        "a padded backward": _cuda_spec(head_dim=80),
+        "16-bit captured gradients": _cuda_spec(
+            score_mod=flexfa.mods.relative_bias(table.clone().requires_grad_(), 32)
+        ),
+        "Triton's kernel options": _cuda_spec(kernel_options={"decode": False}),
+        "deterministic": _cuda_spec(deterministic=True),
+        "float32, which fa4 refuses": _cuda_spec(dtype=torch.float32),
+        "a CPU call": _cuda_spec().__class__(
+            **{**_cuda_spec().__dict__, "device": torch.device("cpu")}
+        ),
+    }
+    # Masks: native ones whatever their partial tiles, block-sparse ones with few partial tiles.
+    docs = torch.arange(1024).div(200, rounding_mode="floor").view(1, -1)
+    document = flexfa.masks.and_masks(flexfa.masks.causal, flexfa.masks.document(docs))
+    window = _cuda_spec(len_q=1024, mask=flexfa.masks.sliding_window(100))
+    prefix = _cuda_spec(len_q=1024, mask=flexfa.masks.prefix_lm(256))
+    assert window.block_mask.partial_fraction > 0.25 and prefers(window)
+    assert prefix.block_mask.partial_fraction < 0.25 and prefers(prefix)
+    declined["a document mask, mostly partial tiles"] = _cuda_spec(len_q=1024, mask=document)
+    assert declined["a document mask, mostly partial tiles"].block_mask.partial_fraction > 0.25
+    declined["a mask_mod on every tile (head dim 256)"] = _cuda_spec(
+        len_q=1024, head_dim=256, mask=flexfa.masks.prefix_lm(256)
+    )
+    for why, spec in declined.items():
+        assert not prefers(spec), why
+    # fa4 still runs 16-bit captured gradients when asked, and says how they are computed.
+    answer = fa4.Fa4Backend().supports(declined["16-bit captured gradients"])
+    assert answer.ok and "delta from the rounded bfloat16 output" in answer.reason
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert not prefers(_cuda_spec())  # sm100: compiled here, never run
 
 
 def test_cpu_inputs_are_refused_with_a_reason():
@@ -104,13 +160,13 @@ def test_padded_backward_equals_the_unpadded_one(
     seen = {}
     gqa = heads_q != heads_kv
 
-    def forward(q, k, v, *, scale, **kw):
-        out, lse = reference_attention(q, k, v, None, flexfa.masks.causal, scale=scale,
-                                       enable_gqa=gqa)  # fmt: skip
-        return out, lse, out.transpose(1, 2)
+    def forward(q, k, v, *, out, scale, **kw):
+        o, lse = reference_attention(q, k, v, None, flexfa.masks.causal, scale=scale,
+                                     enable_gqa=gqa)  # fmt: skip
+        return out.copy_(o), lse
 
-    def backward(q, k, v, out_fa4, dout, lse, dlse, *, scale, **kw):
-        seen["dims"] = {t.shape[-1] for t in (q, k, v, out_fa4, dout)}
+    def backward(q, k, v, out, dout, lse, dlse, *, scale, **kw):
+        seen["dims"] = {t.shape[-1] for t in (q, k, v, out, dout)}
         seen["padding_is_zero"] = all(
             not t[..., n:].any()
             for t, n in ((q, head_dim), (k, head_dim), (v, head_dim_v), (dout, head_dim_v))
@@ -184,11 +240,11 @@ def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
 
     seen = {}
 
-    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, **kw):
+    def forward(q, k, v, *, out, scale, lowering, hooks, aux_tensors, **kw):
         seen["fwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors])
-        return q * 1.0, torch.zeros(q.shape[:3]), q.transpose(1, 2).contiguous()
+        return out.copy_(q), torch.zeros(q.shape[:3])
 
-    def backward(q, k, v, out_fa4, dout, lse, dlse, *, lowering, aux_tensors, **kw):
+    def backward(q, k, v, out, dout, lse, dlse, *, lowering, aux_tensors, **kw):
         seen["bwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors], dlse is not None)
         aux_tensors[-1].add_(2.0)  # the gradient buffer of the one captured tensor
         return dout.clone(), torch.zeros_like(k), torch.zeros_like(v)
@@ -209,6 +265,34 @@ def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
     assert torch.equal(dq, torch.ones_like(q))
 
 
+def test_output_takes_the_stride_order_of_q(monkeypatch):
+    """Note [Output layout]: FA4 writes into an output laid out like q (a (B, L, H, E) buffer
+    seen as (B, H, L, E) here), as torch's FLASH backend hands it one; the backward reads it."""
+    from flexfa.codegen.cute import backend, launch
+
+    seen = {}
+
+    def forward(q, k, v, *, out, **kw):
+        seen["fwd"] = out.data_ptr()
+        return out.fill_(0.5), torch.zeros(q.shape[:3])
+
+    def backward(q, k, v, out, dout, lse, dlse, **kw):
+        seen["bwd"] = out.data_ptr()
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+
+    monkeypatch.setattr(launch, "forward", forward)
+    monkeypatch.setattr(launch, "backward", backward)
+    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+    q = torch.randn(2, 48, 4, 32, dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 4, 40, 32, dtype=torch.bfloat16)
+    v = torch.randn(2, 4, 40, 16, dtype=torch.bfloat16, requires_grad=True)
+    spec = build_spec(q, k, v, None, None)
+    out, _ = backend.run(spec, q, k, v)
+    assert out.shape == (2, 4, 48, 16) and out.transpose(1, 2).is_contiguous()
+    out.float().sum().backward()
+    assert seen["fwd"] == seen["bwd"] == out.data_ptr()
+
+
 def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
     """Note [GQA in FA4's score_mod backward]: FA4 gets K/V repeated per query head, and dK, dV
     come back summed over each group of query heads."""
@@ -216,11 +300,11 @@ def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
 
     seen = {}
 
-    def forward(q, k, v, *, scale, lowering, hooks, aux_tensors, **kw):
+    def forward(q, k, v, *, out, scale, lowering, hooks, aux_tensors, **kw):
         seen["fwd_heads"] = k.shape[1]
-        return q * 1.0, torch.zeros(q.shape[:3]), q.transpose(1, 2).contiguous()
+        return out.copy_(q), torch.zeros(q.shape[:3])
 
-    def backward(q, k, v, out_fa4, dout, lse, dlse, **kw):
+    def backward(q, k, v, out, dout, lse, dlse, **kw):
         seen["bwd_heads"] = (k.shape[1], v.shape[1])
         assert torch.equal(k[:, 0], k[:, 1]) and torch.equal(k[:, 2], k[:, 3])
         head = torch.arange(4, dtype=q.dtype).view(1, 4, 1, 1)
@@ -241,7 +325,8 @@ def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
 
 def test_block_sparse_lists_by_default_where_wired(monkeypatch):
     """Note [Block-sparse lists for FA4]: the option decides when given; otherwise the lists are
-    used wherever `why_not_sparse` allows them (sm90, head dims <= 128, 128 x 128 blocks)."""
+    used wherever `why_not_sparse` allows them (sm90 and sm100, head dims <= 128, blocks that
+    divide FA4's)."""
     from flexfa.codegen.cute import backend
 
     q = torch.randn(1, 2, 256, 64, dtype=torch.bfloat16)
@@ -253,7 +338,9 @@ def test_block_sparse_lists_by_default_where_wired(monkeypatch):
         dataclasses.replace(cuda, kernel_options={"block_sparse": False})
     )
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
-    assert not backend.uses_block_sparse(cuda)  # sm100 lists are not wired
+    assert backend.uses_block_sparse(cuda)  # sm100: coarsened to 256-row q blocks
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not backend.uses_block_sparse(cuda)  # no lists off sm90 / sm100
     assert backend.uses_block_sparse(dataclasses.replace(cuda, kernel_options={"block_sparse": 1}))
     assert not backend.uses_block_sparse(spec)  # a CPU spec never reaches FA4
 

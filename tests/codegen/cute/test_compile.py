@@ -81,18 +81,19 @@ from flexfa.codegen.cute import offline
 ids = torch.repeat_interleave(torch.arange(8), 128)
 mask = flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(ids))
 report = offline.compile_call(
-    None, mask, arch="sm_90a", out_dir=sys.argv[1], block_sparse=True, head_dim=64
+    None, mask, arch=sys.argv[2], out_dir=sys.argv[1], block_sparse=True, head_dim=64
 )
 print(json.dumps({"lowering": report.lowering, "ptx": [str(p) for p in report.ptx]}))
 """
 
 
-@pytest.mark.slow
-def test_block_sparse_lists_compile_for_sm90(tmp_path):
+# sm_100a: the lists coarsened to 256-row q blocks (Note [Coarsening a BlockMask]), compiled only.
+@pytest.mark.parametrize("arch", [pytest.param("sm_90a", marks=pytest.mark.slow), "sm_100a"])
+def test_block_sparse_lists_compile(tmp_path, arch):
     env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     res = subprocess.run(
-        [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path / "out")],
+        [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path / "out"), arch],
         env=env,
         capture_output=True,
         text=True,
@@ -101,8 +102,9 @@ def test_block_sparse_lists_compile_for_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert "forward block-sparse" in got["lowering"] and "backward block-sparse" in got["lowering"]
-    bwd = [p for p in got["ptx"] if "flash_bwd_sm90" in p]
-    assert bwd and MMA["sm_90a"] in Path(bwd[0]).read_text()
+    kernel = "flash_bwd_sm90" if arch == "sm_90a" else "flash_bwd_sm100"
+    bwd = [p for p in got["ptx"] if kernel in p]
+    assert bwd and MMA[arch] in Path(bwd[0]).read_text()
 
 
 _SCALARS_CHILD = """

@@ -226,3 +226,58 @@ def test_unsupported_inputs_explained_on_gpu() -> None:
     assert "fa4: no (FA4 takes float16 or bfloat16 inputs" in text
     q = torch.randn(1, 2, 128, 68, device="cuda", dtype=bf16)
     assert "divisible by 8" in flexfa.explain_backend(q, q, q)
+
+
+def test_output_follows_q_layout_and_auto_takes_fa4_on_gpu() -> None:
+    """Note [Output layout]: q viewed from a (B, L, H, E) buffer gives an output laid out the
+    same way; and Note [Which backend auto picks]: auto runs such a call on fa4, the same
+    numbers as asking for it."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 512, 4, 128, device="cuda", dtype=bf16).transpose(1, 2).requires_grad_()
+    k, v = (
+        torch.randn(2, 4, 512, 128, device="cuda", dtype=bf16, requires_grad=True) for _ in "kv"
+    )
+    slopes = torch.rand(4, device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    out = flexfa.attention(q, k, v, alibi, fm.causal, backend="fa4")
+    assert out.transpose(1, 2).is_contiguous()
+    assert flexfa.backends.select(
+        "auto", flexfa.api.build_spec(q, k, v, alibi, fm.causal)
+    ).name == ("fa4")
+    assert torch.equal(flexfa.attention(q, k, v, alibi, fm.causal), out)
+    case = dataclasses.replace(CASES[0], batch=2, heads_q=4, heads_kv=4, len_q=512, len_kv=512,
+                               head_dim=128)  # fmt: skip
+    lse = flexfa.attention(q, k, v, alibi, fm.causal, backend="fa4", return_lse=True)[1]
+    common.check_against_reference(case, q, k, v, alibi, fm.causal, (), out, lse)
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_fa4_under_torch_compile_on_gpu(mode) -> None:
+    """The fa4 backend's forward and backward halves behind flexfa's torch.library ops
+    (flexfa/compiled.py): a compiled training step, also under CUDA graphs, equals eager."""
+    torch.manual_seed(1)
+    slopes = torch.rand(4, device="cuda")
+
+    def alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    def f(q, k, v):
+        return flexfa.attention(q, k, v, alibi, fm.causal, backend="fa4")
+
+    compiled = torch.compile(f, fullgraph=True, mode=None if mode == "default" else mode)
+    q, k, v = (
+        torch.randn(1, 4, 700, 64, device="cuda", dtype=bf16, requires_grad=True) for _ in "qkv"
+    )
+    for _ in range(3):  # cudagraph trees warm up, record, then replay
+        q.grad = k.grad = v.grad = None
+        out = compiled(q, k, v)
+        out.float().square().sum().backward()
+    got = (out.detach().clone(), q.grad.clone(), k.grad.clone(), v.grad.clone())
+    q.grad = k.grad = v.grad = None
+    ref = f(q, k, v)
+    ref.float().square().sum().backward()
+    for a, b in zip(got, (ref.detach(), q.grad, k.grad, v.grad)):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -4,10 +4,11 @@ and the backward (per KV block), and the call plan uses them only where the rule
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flexfa
-from flexfa.blockmask.block_mask import BlockList, TileState
+from flexfa.blockmask.block_mask import BlockList, BlockSize, TileState
 from flexfa.codegen.cute import sparse
 from flexfa.codegen.cute.backend import plan_call
 from flexfa.frontend import trace_mask_mod
@@ -39,8 +40,6 @@ def test_lists_name_the_partial_and_full_tiles():
 
 
 def test_lists_decode_the_same_through_fa4s_own_helper():
-    import pytest
-
     block_sparsity = pytest.importorskip("flash_attn.cute.block_sparsity")
     bm = flexfa.create_block_mask(_document_causal(700), 1, 1, 700, 700, BLOCK_SIZE=128)
     fwd = sparse.forward_lists(bm)
@@ -51,10 +50,59 @@ def test_lists_decode_the_same_through_fa4s_own_helper():
 def test_why_not_sparse():
     bm = flexfa.create_block_mask(flexfa.masks.prefix_lm(64), 1, 1, 256, 256, BLOCK_SIZE=128)
     assert sparse.why_not_sparse(bm, 128, 128, 9) is None
-    assert "sm90 only" in sparse.why_not_sparse(bm, 128, 128, 10)
+    assert sparse.why_not_sparse(bm, 128, 128, 10) is None  # coarsened to 256 x 128
+    assert "sm90 and sm100/sm110 only" in sparse.why_not_sparse(bm, 128, 128, 8)
     assert "head dims up to 128" in sparse.why_not_sparse(bm, 192, 128, 9)
-    other = flexfa.create_block_mask(flexfa.masks.prefix_lm(64), 1, 1, 256, 256, BLOCK_SIZE=64)
-    assert "128 x 128" in sparse.why_not_sparse(other, 128, 128, 9)
+    small = flexfa.create_block_mask(flexfa.masks.prefix_lm(64), 1, 1, 256, 256, BLOCK_SIZE=64)
+    assert sparse.why_not_sparse(small, 128, 128, 9) is None  # coarsened to 128 x 128
+    odd = flexfa.create_block_mask(flexfa.masks.prefix_lm(64), 1, 1, 256, 256, BLOCK_SIZE=96)
+    assert "divide 128 x 128" in sparse.why_not_sparse(odd, 128, 128, 9)
+    # Note [Coarsening a BlockMask]: the user's own block lists are authoritative.
+    listed = flexfa.BlockMask.from_kv_blocks(
+        small.kv_partial.count, small.kv_partial.index, small.kv_full.count, small.kv_full.index,
+        BLOCK_SIZE=64, mask_mod=flexfa.masks.prefix_lm(64), seq_lengths=(256, 256),
+    )  # fmt: skip
+    assert "cannot be coarsened" in sparse.why_not_sparse(listed, 128, 128, 9)
+    assert sparse.why_not_sparse(flexfa.BlockMask.from_kv_blocks(
+        bm.kv_partial.count, bm.kv_partial.index, bm.kv_full.count, bm.kv_full.index,
+        BLOCK_SIZE=128, mask_mod=flexfa.masks.prefix_lm(64), seq_lengths=(256, 256),
+    ), 128, 128, 9) is None  # fmt: skip
+
+
+@pytest.mark.parametrize("length", [1, 130, 384, 700, 1000])
+@pytest.mark.parametrize("fine, coarse", [((128, 128), (256, 128)), ((64, 32), (128, 128))])
+def test_coarsened_tiles_equal_the_tiles_of_the_coarse_grid(length, fine, coarse):
+    """Note [Coarsening a BlockMask]: coarsening a BlockMask gives the tile states that
+    classifying the mask on the coarse grid gives, and the lists FA4 receives name them."""
+    ids = torch.arange(length + 33) // 97
+    masks = [
+        flexfa.and_masks(flexfa.masks.causal, flexfa.masks.document(ids)),
+        flexfa.masks.prefix_lm(100),
+        flexfa.masks.sliding_window(150),
+        lambda b, h, q, kv: (q // 7 + kv // 11) % 3 != 0,
+    ]
+    for mask_mod in masks:
+        bm = flexfa.create_block_mask(mask_mod, 1, 1, length, length + 33, BLOCK_SIZE=fine)
+        got = sparse.coarsen(bm, BlockSize(*coarse))
+        want = flexfa.create_block_mask(mask_mod, 1, 1, length, length + 33, BLOCK_SIZE=coarse)
+        assert got.block_size == BlockSize(*coarse)
+        assert torch.equal(got.tile_states(), want.tile_states()), (mask_mod, length)
+        for got_list, want_list in ((got.q_partial, want.q_partial), (got.q_full, want.q_full)):
+            n = want.num_q_blocks
+            assert torch.equal(got_list.dense(n), want_list.dense(n))
+
+
+def test_sm100_lists_have_256_row_q_blocks_and_are_kept_with_the_mask():
+    bm = flexfa.create_block_mask(_document_causal(700), 1, 1, 700, 700, BLOCK_SIZE=128)
+    fwd = sparse.forward_lists(bm, 10)
+    assert fwd.block_size == (256, 128) and fwd.mask_cnt.shape[-1] == 3  # ceil(700 / 256)
+    states = sparse.coarsen(bm, BlockSize(256, 128)).tile_states()
+    assert torch.equal(_decode(fwd.mask_cnt, fwd.mask_idx, 6), states == TileState.PARTIAL)
+    bwd = sparse.backward_lists(bm, 10)
+    assert bwd.block_size == (256, 128) and bwd.mask_idx.shape[-1] == 3
+    # Built once per BlockMask and arch: a repeated call launches no copies of its own.
+    assert sparse.forward_lists(bm, 10) is fwd and sparse.backward_lists(bm, 10) is bwd
+    assert sparse.forward_lists(bm, 9) is sparse.forward_lists(bm) is not fwd
 
 
 def _plan(score, mask_mod, monkeypatch, **kw):
