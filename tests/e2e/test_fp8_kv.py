@@ -301,3 +301,32 @@ def test_fp8_decode_makes_no_upcast_copy(len_q):
         )
     rel = float((out_p.float() - out.float()).norm() / out.float().norm())
     assert rel < 1e-2, f"paged fp8 differs from contiguous fp8 by {rel:.3g} (relative)"
+
+
+@pytest.mark.parametrize(
+    "k_dtype, v_dtype, q_scale", [(E4M3, E4M3, 1.0), (E5M2, E4M3, 1e-6), (E4M3, E5M2, 3e4)]
+)
+def test_fp8_decode_with_bfloat16_q_runs_float16_dots(k_dtype, v_dtype, q_scale):
+    """Note [fp8 K/V in float16 dots]: with a bfloat16 q the decode kernel scales each q row by a
+    power of 2 into float16's range, so rows far above float16's largest value (3e4 * randn) or
+    far below its normal range (1e-6 * randn) decode as exactly as in bfloat16; rows of zeros
+    too. Run through the decode kernel directly: flexfa's Triton backend declines bfloat16 under
+    the interpreter only for its bfloat16 dots, which this path does not have."""
+    from flexfa.api import build_spec
+    from flexfa.codegen.triton import decode
+
+    if not flexfa.config.triton_interpret:
+        pytest.skip("runs the Triton decode kernel on the CPU under TRITON_INTERPRET=1")
+    q, k, v, k_scale = _inputs(2, 8, 2, 3, 70, 32, torch.bfloat16, k_dtype, v_dtype)
+    q = (q.float() * q_scale).to(torch.bfloat16)
+    q[0, 1, 0] = 0.0
+    mod = _per_head(k_scale)
+    spec = build_spec(q, k, v, mod, None, enable_gqa=True, kernel_options={"decode_splits": 2})
+    assert decode.applies(spec) and decode.prepared(spec).constexprs["F16_DOT"]
+    out, lse = decode.run(spec, q, k, v)
+    o64, l64 = reference_attention(q, k, v, mod, None, enable_gqa=True, dtype=torch.float64)
+    oe, le = reference_attention(q, k, v, mod, None, enable_gqa=True, dtype=torch.bfloat16)
+    check = ThreeWay(torch.bfloat16, context=f"k {k_dtype}, v {v_dtype}, q x {q_scale}")
+    check("out", out, oe, o64)
+    check("lse", lse, le, l64)
+    check.assert_ok()

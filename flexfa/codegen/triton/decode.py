@@ -230,6 +230,21 @@ def default_config(
 # converted to q's dtype after they reach registers. Paged caches whose pages are not a multiple of
 # 128 keys keep 64-key tiles, which look up one page id per tile rather than one per key.
 #
+# Note [fp8 K/V in float16 dots]
+# On the H200 the fp8 decode took as long as the bfloat16 one (docs/performance.md), though it
+# reads half the bytes. Its PTX for sm_90 (Triton compiled without a GPU: bench/fp8_ptx.py) shows
+# why: converting a K/V element from float8_e4m3fn to bfloat16 takes half a `cvt.rn.f16x2.e4m3x2`
+# (two elements) and a whole `cvt.bf16.f16`, 1.5 conversions per element, for 128 + 256 of them
+# per K and V tile and thread; at Hopper's conversion rate that is about as many elements per
+# clock as the memory delivers bytes. So with a bfloat16 q (`F16_DOT`) the dots run in float16:
+# K and V need only the first conversion, and p goes to float16 instead of bfloat16 (as cheap,
+# and more precise). q is converted once per program, each row scaled by a power of 2 that puts
+# its largest |q| in (2**13, 2**14]: float16 then holds every bfloat16 value of the row exactly
+# down to 2**-28 of its largest (smaller ones lose at most 2**-38 of it, far below bfloat16's own
+# rounding), cannot overflow, and the scores are scaled back exactly through sm_scale. Float16 q
+# needs none of this; its dots were float16 already. Whether this makes the fp8 decode faster is
+# for the next GPU run to measure.
+#
 # Note [Fused merge]
 # With splits, each split writes its normalized partial output and base-2 LSE, then takes a ticket
 # (an atomic add on a per-(b, KV head, row tile) counter, acquire-release, after a barrier so that
@@ -361,6 +376,7 @@ def _prepare(
         ROW_STATES=not bm.tiles_from_mask,
         FUSED_MERGE=cfg.fused_merge and splits > 1,
         INPUT_PRECISION=plan.precision,
+        F16_DOT=spec.kv_fp8 and spec.dtype == torch.bfloat16,  # Note [fp8 K/V in float16 dots]
     )
     merge_constexprs = dict(
         HEAD_DIM_V=spec.head_dim_v,
