@@ -111,8 +111,10 @@ def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) ->
 #     BlockMask has few partial tiles and reaches FA4 as block-sparse lists: at most
 #     `_AUTO_MAX_PARTIAL` of its non-empty tiles partial. `bench/auto_choice.py` (B*N = 16384,
 #     H=16, D=128, bf16): prefix-LM 2048 (2% partial at N=8192) ran 1.36x / 1.45x faster on fa4
-#     than on triton forward / forward+backward, document-causal masks (39-46% partial) 0.64-0.91x
-#     / 0.95-1.05x: FA4's sm90 forward evaluates mask_mods one element at a time;
+#     than on triton forward / forward+backward; document-causal masks (39-46% partial) gave
+#     0.64-0.91x / 0.95-1.05x in one run and 0.39-1.16x / 1.03-1.27x in another (FA4's sm90
+#     forward evaluates the mask_mod one element at a time on partial tiles), so they stay on
+#     triton until a steadier measurement says otherwise;
 #   - and whatever `supports` requires.
 # `explain_backend` says for each backend whether it can run a call; `backend="fa4"` runs it
 # wherever `supports` allows.
