@@ -304,12 +304,14 @@ def explain_backend(
     block_mask: BlockMask | Callable[..., Any] | None = None,
     **kwargs: Any,
 ) -> str:
-    """Why each backend would or would not run this call (one line per backend, in priority order).
+    """Why each backend would or would not run this call (one line per backend, in priority order),
+    then the one `backend="auto"` picks (Note [Which backend auto picks] in
+    flexfa/backends/fa4.py: a backend that can run a call is not always the one auto prefers).
 
     >>> import torch, flexfa
     >>> q = k = v = torch.randn(1, 1, 16, 16)
-    >>> print(flexfa.explain_backend(q, k, v).splitlines()[-1])
-    tiled: yes
+    >>> print(flexfa.explain_backend(q, k, v).splitlines()[-2:])
+    ['tiled: yes', 'auto: tiled']
     """
     spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
     lines = []
@@ -318,4 +320,8 @@ def explain_backend(
         lines.append(
             f"{name}: {verdict} ({answer.reason})" if answer.reason else f"{name}: {verdict}"
         )
+    try:  # the lines above say why backends are skipped: no warning here
+        lines.append(f"auto: {backends.select('auto', spec, warn=False).name}")
+    except ValueError:
+        lines.append("auto: none")
     return "\n".join(lines)

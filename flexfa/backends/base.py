@@ -143,8 +143,9 @@ def explain(spec: AttentionSpec) -> list[tuple[str, Support]]:
     return answers
 
 
-def select(requested: str, spec: AttentionSpec) -> Backend:
-    """The backend for `spec`: the one named, or with "auto" the first that supports it."""
+def select(requested: str, spec: AttentionSpec, *, warn: bool = True) -> Backend:
+    """The backend for `spec`: the one named, or with "auto" the first that supports it (and
+    that auto prefers for it). `warn=False` leaves out the warning about skipped backends."""
     if requested != "auto":
         backend = _load(requested)
         if backend is None and requested in _unavailable:
@@ -166,7 +167,7 @@ def select(requested: str, spec: AttentionSpec) -> Backend:
             continue
         answer = _supports(backend, spec)
         if answer:
-            for other, reason in skipped:
+            for other, reason in skipped if warn else ():
                 _warn_once(other, backend.name, reason)
             log.debug("flexfa: backend %s chosen for %s", backend.name, device_type)
             return backend

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import flexfa
+from flexfa.api import build_spec
 from flexfa.backends import base
 from flexfa.backends.base import Backend, Support
 
@@ -28,12 +29,13 @@ def test_auto_runs_the_tiled_backend_on_cpu():
 
 
 def test_explain_backend_lists_every_backend_with_a_reason():
-    lines = flexfa.explain_backend(*qkv(), block_mask=flexfa.masks.causal).splitlines()
+    *lines, auto = flexfa.explain_backend(*qkv(), block_mask=flexfa.masks.causal).splitlines()
     names = [line.split(":")[0] for line in lines]
     assert names == flexfa.backends.names() and "tiled" in names
     assert "tiled: yes" in lines
     for line in lines:
         assert line.endswith(": yes") or (": no (" in line and line.endswith(")"))
+    assert auto == f"auto: {flexfa.backends.select('auto', build_spec(*qkv())).name}"
 
 
 class _Stub(Backend):
@@ -80,7 +82,21 @@ def test_auto_takes_the_first_backend_that_says_yes(stubs):
         "refuses: no (needs a GPU with 1 TB of memory)",
         "accepts: yes",
         "tiled: yes",
+        "auto: accepts",
     ]
+
+
+def test_explain_backend_names_autos_choice_without_warning(stubs, monkeypatch):
+    """A backend that can run a call is not always auto's choice (Note [Which backend auto
+    picks]); explain_backend says which one auto takes, and asking warns about nothing (nor
+    uses up the warning a later call gives)."""
+    _, accepts = stubs
+    monkeypatch.setattr(accepts, "auto_prefers", lambda spec: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert flexfa.explain_backend(*qkv()).splitlines()[-2:] == ["tiled: yes", "auto: tiled"]
+    with pytest.warns(UserWarning, match="the 'refuses' backend cannot run this call"):
+        flexfa.attention(*qkv())
 
 
 def test_a_named_backend_that_refuses_says_why(stubs):
