@@ -83,6 +83,7 @@ BACKENDS: dict[str, str] = {
     "triton": "generated Triton attention modules and tuning results",
     "blockmask": "generated block-mask kernels (exact tier and fused block lists)",
     "cute": "generated CuTe DSL attention modules",
+    "fa4": "FA4 kernels compiled with flexfa's generated CuTe mods (object files)",
 }
 """The cache's subdirectories, one per backend, with what each holds."""
 

@@ -13,7 +13,7 @@ import functools
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
-from flexfa.codegen.cute import launch, module, sparse
+from flexfa.codegen.cute import jitcache, launch, module, sparse
 from flexfa.codegen.cute.launch import Hooks
 from flexfa.codegen.cute.plan import MaskLowering, lower_mask
 from flexfa.frontend.trace import TracedMod
@@ -63,7 +63,9 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
     key = (score.key if score else None, mask.key if mask else None, tuple(sorted(grad_slots)))
     hooks = _hooks.get(key)
     if hooks is None:
-        _, mod = module.load_module(score, mask, grad_slots)
+        mkey, mod = module.load_module(score, mask, grad_slots)
+        for name in ("SCORE_MOD", "SCORE_MOD_BWD", "MASK_MOD"):
+            jitcache.tag(getattr(mod, name), mkey.digest, name)
         aux = AuxLayout.of(score, mask, grad_slots)
         hooks = Hooks(mod.SCORE_MOD, mod.SCORE_MOD_BWD, mod.MASK_MOD, aux)
         _hooks[key] = hooks

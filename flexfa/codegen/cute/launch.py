@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from flexfa.codegen.cute import jitcache
 from flexfa.codegen.cute.emit import AuxLayout
 from flexfa.codegen.cute.plan import MaskLowering
 from flexfa.codegen.cute.sparse import SparseLists
@@ -95,6 +96,8 @@ def forward(
     lse [B, H, Lq] natural log)."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
+    jitcache.install()
+
     _, lse, *_ = _flash_attn_fwd(
         _fa4_layout(q),
         _fa4_layout(k),
@@ -134,6 +137,8 @@ def backward(
     Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
     in place (Note [Captured gradients in the FA4 backward] in emit.py)."""
     from flash_attn.cute.interface import _flash_attn_bwd
+
+    jitcache.install()
 
     dq, dk, dv = _flash_attn_bwd(
         _fa4_layout(q),

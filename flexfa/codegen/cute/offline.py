@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from flexfa.config import config
+
 ARCHES = {"sm_90a": 90, "sm_100a": 100}
 # SM counts FA4's heuristics assume when there is no GPU to ask (H100/H200 and B200).
 _NUM_SMS = {90: 132, 100: 148}
@@ -108,11 +110,14 @@ def compile_call(
     dtype: torch.dtype = torch.bfloat16,
     backward: bool = True,
     block_sparse: bool = False,
+    disk_cache: bool = False,
 ) -> CompileReport:
     """Compile FA4's forward (and backward) for these mods and `arch`, keeping PTX in `out_dir`.
 
     The mods go through the same path as `flexfa.attention(..., backend="fa4")`: tracing, mask
     lowering (Note [Native masks from the IR]), the generated module, FA4's entry points.
+    `disk_cache=True` also uses flexfa's disk cache of compiled FA4 kernels (Note [FA4 kernels on
+    disk]): a kernel found there is loaded, not compiled, and leaves no PTX.
     """
     number = configure_arch(arch)
     out = Path(out_dir)
@@ -146,7 +151,8 @@ def compile_call(
     grad_slots = call.grad_slots
     aux_specs = [(a.shape, a.dtype) for a in (launch.aux_tensor(t) for t in captured)]
     seconds: dict[str, float] = {}
-    with _hardware_info_without_gpu(), FakeTensorMode():
+    # By default compile for real: a kernel loaded from disk leaves no PTX.
+    with _hardware_info_without_gpu(), FakeTensorMode(), config.override(fa4_disk_cache=disk_cache):
         shape = (1, num_heads, seq_len, head_dim)
         q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
         aux = [

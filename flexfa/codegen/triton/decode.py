@@ -32,7 +32,7 @@ import torch
 from flexfa.blockmask.block_mask import BlockList, BlockMask, TileState
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton import emit
-from flexfa.codegen.triton.launch import KernelLaunch, launch
+from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, launch
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey, _check_positive, _check_pow2
 from flexfa.codegen.triton.plan import plan_key
@@ -318,13 +318,16 @@ class _Prepared:
     constexprs: dict
     merge_constexprs: dict
     label: str
-    launched: bool = False  # after the first launch (logged), kernels are called directly
+    # After the first (logged) launch, the kernels are called directly (Note [Decode host time]).
+    direct: tuple[DirectLaunch, DirectLaunch | None] | None = None
 
 
 # Note [Decode host time]
 # A decode step is short (tens of microseconds at 4k keys), so the host must not add much: per
 # BlockMask and call shape a `_Prepared` holds the plan, lists and constexprs, and after the first
-# (logged) launch the kernels are called without building `KernelLaunch` records.
+# (logged) launch the kernels are called without building `KernelLaunch` records, through
+# `DirectLaunch` (Note [Direct launches] in launch.py), which also skips most of Triton's own
+# per-call work.
 _prepared: weakref.WeakKeyDictionary[BlockMask, dict[tuple, _Prepared]] = (
     weakref.WeakKeyDictionary()
 )
@@ -568,22 +571,22 @@ def run(
         if q.stride(-1) != 1:
             q = q.contiguous()
         prep = prepared(spec)
-        if not prep.launched:
-            for kl in launches(spec, q, k, v, out, lse):
+        if prep.direct is None:
+            kls = launches(spec, q, k, v, out, lse)
+            for kl in kls:
                 launch(kl)
-            prep.launched = True
+            direct = [
+                DirectLaunch(kl.kernel, kl.constexprs, kl.num_warps, kl.num_stages) for kl in kls
+            ]
+            prep.direct = (direct[0], direct[1] if len(direct) > 1 else None)
             return out, lse
         # Note [Decode host time]: the same kernels, called directly.
         args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
-        cfg, module = prep.config, prep.plan.module
-        grid = (cfg.num_splits, spec.batch * spec.heads_kv, prep.tiles)
-        module.flexfa_decode[grid](
-            *args, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **prep.constexprs
-        )
-        if cfg.num_splits > 1 and not cfg.fused_merge:
-            module.flexfa_decode_merge[(grid[1], grid[2])](
-                *merge_args, num_warps=4, num_stages=1, **prep.merge_constexprs
-            )
+        grid = (prep.config.num_splits, spec.batch * spec.heads_kv, prep.tiles)
+        split, merge = prep.direct
+        split(grid, args)
+        if merge is not None:
+            merge((grid[1], grid[2]), merge_args)
     return out, lse
 
 

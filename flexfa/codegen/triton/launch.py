@@ -177,3 +177,76 @@ def launch(kl: KernelLaunch) -> None:
     if _pending:  # a compile of this kernel may have been started by prewarm
         _await_pending(kl)
     run_logged(_fast_key(kl), kl.label, run)
+
+
+# Note [Direct launches]
+# `kernel[grid](*args, **constexprs)` goes through Triton's `JITFunction.run` on every call: it
+# reads its knobs, binds and specializes every argument, builds a cache key from the
+# specialization and the options (a string of the options dict) and looks the compiled kernel up,
+# before the launch itself. For a decode step at 4k keys (tens of microseconds on the GPU) that
+# per-call work is a large share of the step. A `DirectLaunch` keeps, per *fingerprint* of the
+# arguments, the `CompiledKernel` that Triton's own path returned for them, and calls it directly
+# (`CompiledKernel[grid](*all_args)`, Triton's public launcher of a compiled kernel). The
+# fingerprint holds everything Triton specializes a kernel on that can vary between calls with the
+# same constexprs and options: each tensor's dtype and address modulo 16, each integer's value
+# (Triton specializes on divisibility by 16, on 1 and on the integer's width), the type of every
+# other argument, and the current device. A new fingerprint goes through `JITFunction.run` once
+# (which compiles or finds the specialization) and is remembered. Under TRITON_INTERPRET there is
+# no compiled kernel, and every call goes through the JIT function.
+class DirectLaunch:
+    """Launch one Triton kernel with fixed constexprs and options, skipping `JITFunction.run`'s
+    per-call work after the first call with each argument fingerprint (Note [Direct launches])."""
+
+    __slots__ = (
+        "_compiled",
+        "_constexpr_values",
+        "constexprs",
+        "kernel",
+        "num_stages",
+        "num_warps",
+    )
+
+    def __init__(self, kernel: Any, constexprs: dict[str, Any], num_warps: int, num_stages: int):
+        self.kernel = kernel
+        self.constexprs = constexprs
+        self.num_warps = num_warps
+        self.num_stages = num_stages
+        names = list(kernel.arg_names)
+        tail = names[len(names) - len(constexprs) :] if constexprs else []
+        # The generated kernels declare their constexprs last, so the full argument list of a
+        # launch is the positional arguments followed by the constexprs in declaration order.
+        self._constexpr_values: tuple | None = (
+            tuple(constexprs[n] for n in tail) if set(tail) == set(constexprs) else None
+        )
+        self._compiled: dict[tuple, Any] = {}
+
+    def __call__(self, grid: tuple[int, ...], args: list) -> None:
+        if self._constexpr_values is None or config.triton_interpret:
+            self._jit(grid, args)
+            return
+        key = _fingerprint(args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._jit(grid, args)
+            if compiled is not None and hasattr(compiled, "__getitem__"):
+                self._compiled[key] = compiled
+            return
+        compiled[grid](*args, *self._constexpr_values)
+
+    def _jit(self, grid: tuple[int, ...], args: list) -> Any:
+        return self.kernel[grid](
+            *args, num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs
+        )
+
+
+def _fingerprint(args: list) -> tuple:
+    """What Triton's specialization of a launch depends on (Note [Direct launches])."""
+    key: list = [torch.cuda.current_device()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() & 15))
+        elif type(a) is int:
+            key.append(a)
+        else:
+            key.append(type(a))
+    return tuple(key)

@@ -145,3 +145,35 @@ def test_mods_differing_in_a_float_share_one_compile(tmp_path):
     assert (fwd_1, bwd_1) == (fwd_2, bwd_2) and fwd_1 >= 1 and bwd_1 >= 1, got
     assert got["ptx_files"] >= 2 and not got["literal_in_ptx"], got
     assert got["seconds"][1]["forward"] < 0.5 and got["seconds"][1]["backward"] < 0.5, got
+
+
+_DISK_CHILD = """
+import json, sys, flexfa
+from flexfa.mods import alibi
+from flexfa.codegen.cute import offline
+
+report = offline.compile_call(alibi, flexfa.masks.causal, arch="sm_90a", out_dir=sys.argv[1],
+                              head_dim=64, disk_cache=True, backward=False)
+print(json.dumps({"seconds": report.seconds, "ptx": len(report.ptx)}))
+"""
+
+
+@pytest.mark.slow
+def test_compiled_kernels_are_kept_on_disk_for_later_processes(tmp_path):
+    """Note [FA4 kernels on disk]: a second process loads the forward FA4 compiled with flexfa's
+    generated mods from flexfa's cache directory instead of compiling it again."""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(cache), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", None)
+    runs = []
+    for i in range(2):
+        cmd = [sys.executable, "-c", _DISK_CHILD, str(tmp_path / f"out{i}")]
+        res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        assert res.returncode == 0, res.stderr[-4000:]
+        runs.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    objects = list((cache / "fa4").rglob("*.o"))
+    assert len(objects) == 1 and objects[0].parent.name == "fwd", objects
+    first, second = (r["seconds"]["forward"] for r in runs)
+    assert runs[0]["ptx"] >= 1 and runs[1]["ptx"] == 0, runs  # the second compiled nothing
+    assert second < first / 2, runs

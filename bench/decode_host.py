@@ -1,0 +1,107 @@
+"""Where a short decode step's time goes: GPU time, host time and the host's profile.
+
+At 4k keys a decode step is a few tens of microseconds of GPU work, so the host time of a call
+(argument checks, plan lookups, kernel launches) decides its speed. For Lq=1 (B=8, Hq=32, Hkv=8,
+D=128, bf16) this times, in one process, SDPA and flexfa with its kernels launched through Triton's
+`JITFunction.run` ("jit", as before Note [Direct launches]) or directly ("direct", the default), with
+the merge as its own kernel or fused into the split kernel (Note [Fused merge]):
+  - us: `triton.testing.do_bench` median (as ../shared/bench/decode_peers.py times it);
+  - host_us: time to enqueue 50 calls, per call;
+and prints the top of a cProfile of 500 default flexfa calls.
+
+    python bench/decode_host.py [--lkv 4096] [--rep 300]
+"""
+
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flexfa
+from flexfa.codegen.triton import launch as tlaunch
+
+B, HQ, HKV, D = 8, 32, 8, 128
+
+
+def host_us(fn, calls: int = 50) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lkv", default="4096")
+    ap.add_argument("--rep", type=int, default=300)
+    a = ap.parse_args()
+    records = []
+    direct_call = tlaunch.DirectLaunch.__call__
+
+    def jit_call(self, grid, args):
+        self._jit(grid, args)
+
+    for lkv in map(int, a.lkv.split(",")):
+        torch.manual_seed(0)
+        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, HKV, lkv, D, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
+        cases = {"sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), None)}
+        for merge in ("separate", "fused"):
+            opts = {"decode_merge": merge}
+            for launch in ("jit", "direct"):
+                cases[f"flexfa {launch} {merge}"] = (
+                    lambda opts=opts: flexfa.attention(
+                        q, k, v, enable_gqa=True, kernel_options=opts
+                    ),
+                    launch,
+                )
+        for name, (fn, launch) in cases.items():
+            tlaunch.DirectLaunch.__call__ = jit_call if launch == "jit" else direct_call
+            with torch.no_grad():
+                out = fn()
+                err = float((out.float() - ref).norm() / ref.norm())
+                us = do_bench(fn, warmup=50, rep=a.rep, return_mode="median") * 1e3
+                host = min(host_us(fn) for _ in range(5))
+            rec = dict(Lkv=lkv, system=name, us=us, host_us=host, rel_err_vs_sdpa=err)
+            records.append(rec)
+            print(json.dumps(rec), flush=True)
+        tlaunch.DirectLaunch.__call__ = direct_call
+        fn = lambda: flexfa.attention(q, k, v, enable_gqa=True)
+        with torch.no_grad():
+            fn()
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(500):
+                fn()
+            pr.disable()
+        text = io.StringIO()
+        pstats.Stats(pr, stream=text).sort_stats("tottime").print_stats(25)
+        print(text.getvalue())
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "decode_host.json"), "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""FA4's compiled kernels for flexfa's generated mods, kept on disk across processes.
+
+# Note [FA4 kernels on disk]
+# A first call through the "fa4" backend spends seconds in FA4's compile (the CuTe DSL traces
+# FA4's kernel in Python, then MLIR, LLVM and ptxas run), every process again: FA4 keeps compiled
+# kernels in memory unless FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 is set before it is imported.
+# flexfa's generated hooks are the same text in every process (Note [CuTe compile cache]), so their
+# kernels can be kept: each generated function carries `__cute_hash__ = "flexfa-<module digest>-
+# <function>"` (FA4 takes that as the function's hash in its compile key, and the module digest
+# covers the mods' IR, the gradient slots, the emitter and the flexfa / FA4 / CuTe DSL / torch
+# versions), and FA4's forward and backward compile caches are wrapped, at the first fa4 call, by
+# `_Routed`: a key that holds a flexfa hash is also looked up in, and written to, FA4's own
+# persistent store (its `JITPersistentCache`: object files exported with `export_to_c`, written
+# atomically under a file lock, an unloadable file recompiled and replaced) in flexfa's cache
+# directory, `fa4/<fingerprint of FA4's sources and the CuTe DSL version>/<fwd|bwd>/`. Every other
+# key (the user's own FA4 calls, torch's FLASH backend) stays in FA4's in-memory cache as before,
+# so nothing changes for them. The other keys of FA4's compile key (dtypes, head dims, tile sizes,
+# arch, GQA, mask flags, FA4's log level) say which kernel a file holds.
+# These are compiled binaries, trusted as Triton's own binary cache is: they live in flexfa's
+# private cache directory (docs/cache.md) and cannot be checked against a rendering without the
+# compile the cache saves. FLEXFA_FA4_DISK_CACHE=0 keeps them in memory only (export turns it off:
+# it wants the compile's PTX); with FA4's own disk cache turned on, flexfa leaves FA4's caches
+# alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from flexfa import diskcache
+from flexfa.config import config
+
+PREFIX = "flexfa-"
+_installed = False
+_lock = threading.Lock()
+
+
+def tag(function: Any, module_digest: str, name: str) -> None:
+    """Give a generated hook the hash FA4 keys its compiles by (Note [FA4 kernels on disk])."""
+    if function is not None:
+        function.__cute_hash__ = f"{PREFIX}{module_digest[:32]}-{name}"
+
+
+def _ours(key: Any) -> bool:
+    return isinstance(key, tuple) and any(type(x) is str and x.startswith(PREFIX) for x in key)
+
+
+class _Routed:
+    """FA4's in-memory compile cache, with flexfa's keys also kept on disk."""
+
+    def __init__(self, memory: Any, disk: Any):
+        self.memory = memory  # FA4's own cache object
+        self.disk = disk  # a JITPersistentCache in flexfa's cache directory
+
+    def __contains__(self, key: Any) -> bool:
+        if key in self.memory:
+            return True
+        if _ours(key) and config.fa4_disk_cache and key in self.disk:  # loads the object file
+            self.memory[key] = self.disk[key]
+            return True
+        return False
+
+    def __getitem__(self, key: Any) -> Any:
+        return self.memory[key]
+
+    def __setitem__(self, key: Any, fn: Any) -> None:
+        self.memory[key] = fn
+        if _ours(key) and config.fa4_disk_cache:
+            self.disk[key] = fn  # exports the object file
+
+    def clear(self) -> None:
+        self.memory.clear()
+
+    def __getattr__(self, name: str) -> Any:  # the rest of FA4's cache object (e.g. `.cache`)
+        return getattr(self.memory, name)
+
+
+def install() -> None:
+    """Wrap FA4's forward and backward compile caches (once per process; Note [FA4 kernels on
+    disk]). Imports flash_attn."""
+    global _installed
+    if _installed:
+        return
+    with _lock:
+        if _installed:
+            return
+        _installed = True
+        root = diskcache.directory("fa4")
+        if root is None:
+            return
+        from flash_attn.cute import cache_utils, interface
+
+        if cache_utils.CUTE_DSL_CACHE_ENABLED:  # FA4 keeps everything on disk itself
+            return
+        path = root / cache_utils._compute_source_fingerprint()[:24]
+        for name, fn in (("fwd", interface._flash_attn_fwd), ("bwd", interface._flash_attn_bwd)):
+            cache = fn.compile_cache
+            if not isinstance(cache, _Routed):
+                fn.compile_cache = _Routed(cache, cache_utils.JITPersistentCache(path / name))
+
+
+def reset() -> None:
+    """Unwrap FA4's caches (tests)."""
+    global _installed
+    with _lock:
+        if "flash_attn.cute.interface" in __import__("sys").modules:
+            from flash_attn.cute import interface
+
+            for fn in (interface._flash_attn_fwd, interface._flash_attn_bwd):
+                if isinstance(fn.compile_cache, _Routed):
+                    fn.compile_cache = fn.compile_cache.memory
+        _installed = False

@@ -1,0 +1,91 @@
+"""`DirectLaunch` (Note [Direct launches]): which calls reuse a compiled kernel and which go back
+through the JIT function. Triton's objects are stood in for by fakes that record calls, so this
+runs on a CPU without the interpreter's slow path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexfa.codegen.triton import launch as launch_mod
+from flexfa.codegen.triton.launch import DirectLaunch
+from flexfa.config import config
+
+
+class FakeCompiled:
+    def __init__(self, log: list, name: str):
+        self.log, self.name = log, name
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append(("direct", self.name, grid, args))
+
+
+class FakeJit:
+    """Compiles (returns a new FakeCompiled) for every specialization Triton would tell apart."""
+
+    arg_names = ("X", "n", "scale", "BLOCK", "EVEN")
+
+    def __init__(self):
+        self.log: list = []
+        self.compiled: dict = {}
+
+    def __getitem__(self, grid):
+        def run(*args, num_warps, num_stages, **constexprs):
+            x, n, _ = args
+            spec = (x.dtype, x.data_ptr() % 16 == 0, n % 16 == 0, n == 1)
+            kernel = self.compiled.setdefault(
+                spec, FakeCompiled(self.log, f"k{len(self.compiled)}")
+            )
+            self.log.append(("jit", kernel.name, grid, args, constexprs))
+            return kernel
+
+        return run
+
+
+@pytest.fixture
+def compiled_mode(monkeypatch):
+    monkeypatch.setattr(launch_mod.torch.cuda, "current_device", lambda: 0)
+    with config.override(triton_interpret=False):
+        yield
+
+
+def test_second_call_with_the_same_fingerprint_skips_the_jit(compiled_mode):
+    jit = FakeJit()
+    dl = DirectLaunch(jit, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    dl((2, 1, 1), [x, 32, 0.5])
+    dl((2, 1, 1), [x, 32, 0.5])
+    dl((3, 1, 1), [x, 32, 0.25])  # another grid and float value: same kernel
+    assert [e[0] for e in jit.log] == ["jit", "direct", "direct"]
+    # The direct call passes every argument, constexprs last in declaration order.
+    assert jit.log[1] == ("direct", "k0", (2, 1, 1), (x, 32, 0.5, 64, True))
+    assert jit.log[2][2] == (3, 1, 1) and jit.log[2][3][2] == 0.25
+
+
+def test_a_new_specialization_goes_through_the_jit(compiled_mode):
+    jit = FakeJit()
+    dl = DirectLaunch(jit, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    for args in ([x, 32, 0.5], [x, 32, 0.5]):
+        dl((1,), args)
+    before = len(jit.log)
+    dl((1,), [x, 33, 0.5])  # an integer Triton may specialize differently
+    dl((1,), [x[1:], 32, 0.5])  # an address not 16-byte aligned
+    dl((1,), [x.to(torch.float64), 32, 0.5])  # another dtype
+    kinds = [(e[0], e[1]) for e in jit.log[before:]]
+    assert kinds == [("jit", "k1"), ("jit", "k2"), ("jit", "k3")], kinds
+
+
+def test_constexprs_not_last_or_interpreter_always_use_the_jit(compiled_mode):
+    jit = FakeJit()
+    dl = DirectLaunch(jit, {"n": 3}, num_warps=4, num_stages=2)  # "n" is not at the end
+    x = torch.zeros(16)
+    for _ in range(3):
+        dl((1,), [x, 32, 0.5])
+    assert [e[0] for e in jit.log] == ["jit"] * 3
+    jit2 = FakeJit()
+    dl2 = DirectLaunch(jit2, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    with config.override(triton_interpret=True):
+        for _ in range(3):
+            dl2((1,), [x, 32, 0.5])
+    assert [e[0] for e in jit2.log] == ["jit"] * 3
