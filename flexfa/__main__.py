@@ -156,7 +156,9 @@ def cache_command(args: argparse.Namespace) -> int:
             f"{b.backend:<10} {b.entries:>7} {b.files:>6} {_size(b.bytes):>9}  "
             f"{diskcache.BACKENDS[b.backend]}{extra}"
         )
-    print("Compiled binaries are kept by Triton in its own cache (TRITON_CACHE_DIR).")
+    print(
+        "Triton keeps its compiled binaries in its own cache (TRITON_CACHE_DIR); fa4/ holds FA4's."
+    )
     return 0
 
 

@@ -542,10 +542,11 @@ def _scan(backend: str, path: Path | None) -> BackendInfo:
             if child.is_dir():
                 if any(f.suffix == ".py" and f.is_file() for f in child.iterdir()):
                     entries += 1
-                for f in child.iterdir():
+                for f in child.rglob("*"):  # fa4/ nests its object files two levels down
                     if f.is_file() and not f.is_symlink():
                         files += 1
                         size += f.stat().st_size
+                        entries += f.suffix == ".o"
             elif child.is_file():
                 files += 1
                 size += child.stat().st_size
