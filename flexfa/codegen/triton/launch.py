@@ -231,7 +231,7 @@ class DirectLaunch:
             if compiled is not None and hasattr(compiled, "__getitem__"):
                 self._compiled[key] = compiled
             return
-        compiled[grid](*args, *self._constexpr_values)
+        compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)  # it indexes 3 dims
 
     def _jit(self, grid: tuple[int, ...], args: list) -> Any:
         return self.kernel[grid](
@@ -241,12 +241,14 @@ class DirectLaunch:
 
 def _fingerprint(args: list) -> tuple:
     """What Triton's specialization of a launch depends on (Note [Direct launches])."""
-    key: list = [torch.cuda.current_device()]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() & 15))
-        elif type(a) is int:
-            key.append(a)
-        else:
-            key.append(type(a))
-    return tuple(key)
+    return (
+        torch.cuda.current_device(),
+        *[
+            a
+            if type(a) is int
+            else (a.dtype, a.data_ptr() & 15)
+            if isinstance(a, torch.Tensor)
+            else type(a)
+            for a in args
+        ],
+    )
