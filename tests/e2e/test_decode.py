@@ -339,3 +339,27 @@ def test_a_block_mask_is_moved_once_per_device():
     first = resolve_block_mask(bm, 1, 1, 64, 64, meta)
     assert first is not bm and first.device == meta
     assert resolve_block_mask(bm, 1, 1, 64, 64, meta) is first
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, {"decode_merge": "fused"}], ids=["separate", "fused"])
+def test_decode_replays_in_a_cuda_graph(options):
+    """A decode call captured with torch.cuda.graph (the fused merge's counters included, which
+    come from the graph's pool) replays to the eager result, with new query values each time."""
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(1)
+    k, v = (torch.randn(2, 2, 3000, 128, device=dev, dtype=dt, generator=g) for _ in range(2))
+    q = torch.randn(2, 8, 1, 128, device=dev, dtype=dt, generator=g)
+
+    def step():
+        return flexfa.attention(q, k, v, enable_gqa=True, kernel_options=options)
+
+    with torch.no_grad():
+        step()  # plans, lists and compiled kernels come first, outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        for _ in range(3):
+            q.copy_(torch.randn(q.shape, device=dev, dtype=dt, generator=g))
+            graph.replay()
+            torch.testing.assert_close(out, step(), rtol=0, atol=0)

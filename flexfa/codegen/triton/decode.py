@@ -451,7 +451,11 @@ _counters: dict[tuple, torch.Tensor] = {}
 
 def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
     """Zeroed int32 counters for the fused merge, one buffer per (device, stream), grown on demand
-    (Note [Fused merge]); kernels leave them at 0."""
+    (Note [Fused merge]); kernels leave them at 0. A call captured in a CUDA graph gets its own
+    buffer from the graph's pool, zeroed by a captured memset at each replay: a capture stream
+    lives only as long as the capture, and flexfa's cache builder may not synchronize during one."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return torch.zeros(size, dtype=torch.int32, device=device)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
     key = (device, stream)
     buf = _counters.get(key)
