@@ -17,17 +17,17 @@ from tests.mods import mask_mod, score_mod
 from tests.tolerance import ThreeWay
 
 # (Lq, group size, mask, score_mod, splits): every Lq and GQA ratio, with masks that differ per
-# head, leave rows empty, or differ per batch element.
+# head, leave rows empty, or differ per batch element; "separate": 3 splits merged by their own kernel.
 CASES = [
     (1, 1, "noop", None, None),
     (1, 4, "causal", "alibi", None),
-    (1, 8, "key_padding", "relative_bias_per_head", "fused"),
+    (1, 8, "key_padding", "relative_bias_per_head", 3),
     (4, 1, "head_dependent", "softcap", 1),
     (4, 4, "document_per_batch", "alibi_slope_table", None),
     (4, 8, "strictly_causal", None, 2),
     (16, 1, "sliding_window", "relative_bias_per_head", None),
     (16, 4, "head_dependent", "alibi", 5),
-    (4, 4, "sliding_window_bidirectional", None, "fused"),
+    (4, 4, "sliding_window_bidirectional", None, "separate"),
     (16, 8, "prefix_lm", None, None),
 ]
 
@@ -36,8 +36,8 @@ CASES = [
 def test_decode_against_reference(case, decode_calls):
     len_q, group, mask_name, score_name, splits = case
     p = Problem(batch=2, heads_q=2 * group, heads_kv=2, len_q=len_q, len_kv=75, head_dim=16)
-    if splits == "fused":  # the merge in the split kernel (Note [Fused merge])
-        options = {"decode_splits": 3, "decode_merge": "fused"}
+    if splits == "separate":  # the merge as its own kernel (Note [Fused merge]: fused by default)
+        options = {"decode_splits": 3, "decode_merge": "separate"}
     else:
         options = {"decode_splits": splits} if splits else None
     with torch.no_grad():  # learnable captures too: decoding is inference
@@ -288,7 +288,7 @@ def test_decode_with_broadcast_kv(group, decode_calls):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("len_q", [1, 4, 16, 64])
-@pytest.mark.parametrize("options", [{}, {"decode_merge": "fused"}], ids=["separate", "fused"])
+@pytest.mark.parametrize("options", [{"decode_merge": "separate"}, {}], ids=["separate", "fused"])
 def test_decode_on_gpu(len_q, options, decode_calls):
     """Compiled decode kernels, bf16, D=128, ragged length, ALiBi and a sliding window; contiguous
     and paged (64-key and 16-key pages)."""
@@ -342,7 +342,7 @@ def test_a_block_mask_is_moved_once_per_device():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, {"decode_merge": "fused"}], ids=["separate", "fused"])
+@pytest.mark.parametrize("options", [{"decode_merge": "separate"}, {}], ids=["separate", "fused"])
 def test_decode_replays_in_a_cuda_graph(options):
     """A decode call captured with torch.cuda.graph (the fused merge's counters included, which
     come from the graph's pool) replays to the eager result, with new query values each time."""

@@ -201,7 +201,7 @@ def default_config(
         want = max(1, round(4 * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
-    merge = opts.get("decode_merge", "separate")
+    merge = opts.get("decode_merge", "fused")  # Note [Fused merge]
     if merge not in ("fused", "separate"):
         raise ValueError(
             f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
@@ -251,9 +251,13 @@ def default_config(
 # all of the program's stores come first); the program that draws the last ticket merges the splits
 # and sets the counter back to 0. This saves the merge kernel's launch (host time matters at 4k
 # keys) and its gap on the GPU. The counters live in one zeroed buffer per (device, stream), so
-# calls on different streams never share them. It is opt-in (kernel_options {"decode_merge":
-# "fused"}): tested under the interpreter and compiled for sm_90, but not yet run on a GPU, where
-# the acquire-release ordering is what matters; the default runs the merge as its own kernel.
+# calls on different streams never share them; a call captured in a CUDA graph gets its own from
+# the graph's pool. It is the default since it ran on the H200 (tests/e2e/test_decode.py, eager and
+# replayed in a CUDA graph): at Lq=1, B=8, Hq=32, Hkv=8, D=128 it took 61 us per eager call at 4k
+# keys against 69 with the merge kernel (both launched directly, Note [Direct launches]), 258
+# against 262 at 32k and 966 against 972 at 128k, and the same GPU time in a CUDA graph
+# (docs/performance.md, `bench/decode_host.py`). kernel_options {"decode_merge": "separate"} runs
+# the merge as its own kernel.
 
 
 def _plan(
