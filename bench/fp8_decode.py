@@ -12,6 +12,7 @@ configs]) to show what the larger tile gives.
         [--paged [--page 128]]
 
 `--paged` adds the same caches as page pools (pages of --page keys in random order), bf16 and fp8.
+`--sweep` also times the fp8 cache under other warps, pipeline stages and splits (JSON lines only).
 
 One JSON line per measurement, a table at the end; $OUT/fp8_decode.json when OUT is set.
 """
@@ -39,6 +40,13 @@ DEV, DT = "cuda", torch.bfloat16
 B, HQ, HKV, D = 8, 32, 8, 128
 
 
+# Launch configs of --sweep (the default for this shape: 4 warps, 3 stages, 8 splits).
+SWEEP = [
+    {"decode_num_warps": w, "decode_num_stages": st}
+    for w, st in ((8, 3), (4, 2), (4, 4), (4, 5), (8, 4), (2, 3))
+] + [{"decode_splits": sp} for sp in (4, 16, 32)]
+
+
 def bench(fn, rep: int) -> float:
     from triton.testing import do_bench
 
@@ -57,6 +65,7 @@ def main() -> None:
     ap.add_argument("--e5m2", action="store_true", help="also time a float8_e5m2 cache")
     ap.add_argument("--paged", action="store_true", help="also bf16 and fp8 paged caches")
     ap.add_argument("--page", type=int, default=128, help="page size of --paged")
+    ap.add_argument("--sweep", action="store_true", help="also fp8 under other launch configs")
     a = ap.parse_args()
     start = time.perf_counter()
     records: list[dict] = []
@@ -111,6 +120,19 @@ def main() -> None:
                         rel_err_vs_upcast=err,
                     )
                     torch.cuda.empty_cache()
+                if a.sweep:
+                    k8, v8 = (k16 / 8).to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
+                    for opts in SWEEP:
+                        fn = lambda: flexfa.attention(
+                            q, k8, v8, dequant, enable_gqa=True, kernel_options=opts
+                        )
+                        try:
+                            us = bench(fn, a.rep)
+                        except Exception as e:  # a config that does not fit is reported
+                            emit(Lq=lq, Lkv=lkv, sweep=opts, error=repr(e)[:200])
+                            continue
+                        emit(Lq=lq, Lkv=lkv, sweep=opts, us=us, vs_bf16=row["bf16"] / us)
+                    k8 = v8 = None
                 if a.paged:
                     for name, dt in (("paged bf16", DT), ("paged fp8", torch.float8_e4m3fn)):
                         kp, vp, pt, lens = paged_copy(k16 / 8, v16, a.page)  # in bf16

@@ -8,12 +8,17 @@ time, the number of compiled Triton kernels after each call, and the time Python
 collector took during the call.
 
     python bench/scalar_mods.py            # results also in $OUT/scalar_mods.json if $OUT is set
+    python bench/scalar_mods.py --profile 1 # also a cProfile of the 2nd mod's first call
 """
 
 from __future__ import annotations
 
+import argparse
+import cProfile
 import gc
+import io
 import json
+import pstats
 import os
 import statistics
 import sys
@@ -33,6 +38,9 @@ from flexfa.codegen.triton import module as tmodule
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--profile", type=int, default=-1, help="cProfile this mod's first call")
+    a = ap.parse_args()
     B, H, N, D = 1, 4, 1024, 128
     q, k, v = (
         torch.randn(B, H, N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -56,10 +64,18 @@ def main() -> None:
     for i, mod in enumerate(mods):
         gc_time[0] = 0.0
         torch.cuda.synchronize()
+        profile = cProfile.Profile() if i == a.profile else None
         start = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         out = flexfa.attention(q, k, v, score_mod=mod, block_mask=flexfa.masks.causal)
         out.sum().backward()
         torch.cuda.synchronize()
+        if profile is not None:
+            profile.disable()
+            text = io.StringIO()
+            pstats.Stats(profile, stream=text).sort_stats("cumtime").print_stats(30)
+            print(text.getvalue(), flush=True)
         rows.append(
             {
                 "mod": i,
