@@ -18,8 +18,8 @@ import cProfile
 import gc
 import io
 import json
-import pstats
 import os
+import pstats
 import statistics
 import sys
 import tempfile
