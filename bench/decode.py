@@ -15,7 +15,8 @@ one process, timed by `triton.testing.do_bench` (median):
 
 `--sweep L` times several (decode_block_n, decode_num_stages, decode_num_warps, decode_splits)
 configurations at Lkv = L for each Lq, and `flexfa_best` uses the best one at every Lkv.
-`--masked` adds ALiBi + sliding window 4096 and a document mask (Lq=1) against torch flex.
+`--masked` adds ALiBi + sliding window 4096 and a document mask (Lq=1) against torch flex, also
+captured in CUDA graphs (GPU time without the host's).
 One JSON line per measurement; a table at the end; $OUT/decode.json when OUT is set. `--budget`
 seconds stops the sweep early so the table is still printed.
 """
@@ -234,6 +235,15 @@ def main() -> None:
                     f2 = lambda: flexfa.attention(q, k, v, score, fbm, enable_gqa=True)
                     err = rel_err(f2(), ref)
                     t1, t2 = bench(f1, a.rep), bench(f2, a.rep)
+                    graphs = {}
+                    for system, fn in (("flex", f1), ("flexfa", f2)):
+                        try:  # GPU time alone: the call captured in a CUDA graph, replayed
+                            graph = torch.cuda.CUDAGraph()
+                            with torch.cuda.graph(graph):
+                                fn()
+                            graphs[f"{system}_graph_us"] = bench(graph.replay, a.rep)
+                        except Exception as e:
+                            graphs[f"{system}_graph_error"] = repr(e)[:120]
                 emit(
                     masked=name,
                     Lq=1,
@@ -244,6 +254,7 @@ def main() -> None:
                     kv_fraction_read=live,
                     flexfa_tb_s_read=kv_bytes * live / t2 / 1e6,
                     rel_err=err,
+                    **graphs,
                 )
             except Exception as e:
                 emit(masked=name, error=repr(e)[:300])
