@@ -191,8 +191,8 @@ def default_config(
         page = spec.paged.page_size if spec.paged is not None else 128
         block_n = 128 if one_byte and page % 128 == 0 else 64
         warps = 4 if block_m <= 64 else 8
-        # fp8 tiles on Hopper: a deeper pipeline (5 stages of 32 KB; Note [Decode configs]).
-        stages = 5 if one_byte and block_n == 128 and capability[0] >= 9 else 3
+        # fp8 tiles on Hopper: a deeper pipeline (5 stages; Note [Decode configs]).
+        stages = 5 if one_byte and capability[0] >= 9 else 3
     block_n = cfgs._largest_pow2_divisor(sparse_kv, opts.get("decode_block_n", block_n))
     tiles_per_block = sparse_kv // block_n
     splits = opts.get("decode_splits")
@@ -230,8 +230,9 @@ def default_config(
 # tiles, which measured within 1-4% of 64-key tiles (docs/performance.md); the K/V tiles are
 # converted to q's dtype after they reach registers. On the H200 they want a deeper pipeline than
 # 16-bit tiles: at Lq=1, B=8, Hkv=8, 128-key fp8 tiles took 595 us at 128k keys with 5 stages
-# against 696 with 3, and 311 against 359 at 64k (7 and 8 stages were no better than 5), while a
-# bfloat16 cache lost 11% with 5 (1093 against 984 us); so sm90 and later run fp8 tiles with 5. Paged caches whose pages are not a multiple of
+# against 696 with 3, and 311 against 359 at 64k (7 and 8 stages were no better than 5; 64-key fp8
+# tiles took 720 us at 128k with 5 stages against 974 with 3), while a bfloat16 cache lost 11% with
+# 5 (1093 against 984 us); so sm90 and later run fp8 tiles with 5 stages. Paged caches whose pages are not a multiple of
 # 128 keys keep 64-key tiles, which look up one page id per tile rather than one per key.
 #
 # Note [fp8 K/V in float16 dots]
