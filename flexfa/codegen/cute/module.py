@@ -6,9 +6,9 @@
 # need gradients, a hash of the template and emitter, and the flexfa / flash-attn-4 / CuTe DSL /
 # torch versions), in memory and on disk under `FLEXFA_CACHE_DIR/cute/<digest>/mods.py`. FA4 then
 # compiles its kernels with these hooks and caches them itself, keyed by a hash of each hook's
-# source, the tile configuration, dtypes, head dims and arch. Because a module's source is
-# byte-identical across processes, FA4's optional disk cache (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED)
-# hits for it in a later process.
+# source (here flexfa's module digest, Note [FA4 kernels on disk] in jitcache.py), the tile
+# configuration, dtypes, head dims and arch, and flexfa keeps those kernels on disk for later
+# processes.
 """
 
 from __future__ import annotations
