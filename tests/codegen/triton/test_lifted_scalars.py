@@ -54,7 +54,11 @@ def test_twenty_scalar_mods_compile_once_on_the_gpu():
     counts = []
     for c in range(20):
         out = flexfa.attention(
-            q, k, v, score_mod=scaled_distance(float(c)), block_mask=flexfa.masks.causal,
+            q,
+            k,
+            v,
+            score_mod=scaled_distance(float(c)),
+            block_mask=flexfa.masks.causal,
             backend="triton",
         )
         out.sum().backward()
