@@ -312,7 +312,12 @@ def explain_backend(
     >>> q = k = v = torch.randn(1, 1, 16, 16)
     >>> print(flexfa.explain_backend(q, k, v).splitlines()[-2:])
     ['tiled: yes', 'auto: tiled']
+
+    Keywords are `flexfa.attention`'s, packed batches (`cu_seqlens_q`, `cu_seqlens_kv`) included.
     """
+    cu_q, cu_kv = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_kv", None)
+    if cu_q is not None or cu_kv is not None:
+        score_mod, block_mask = _packed(q, k, score_mod, block_mask, cu_q, cu_kv)
     spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
     lines = []
     for name, answer in backends.explain(spec):

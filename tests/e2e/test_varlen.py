@@ -125,3 +125,14 @@ def test_packed_errors_are_clear():
     with pytest.raises(ValueError, match=r"\(1, heads, total_len"):
         flexfa.attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                          cu_seqlens_q=cq, cu_seqlens_kv=ck, **call)  # fmt: skip
+
+
+def test_explain_backend_takes_a_packed_call():
+    q = torch.randn(1, 2, 10, 8)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    text = flexfa.explain_backend(
+        q, q, q, block_mask=flexfa.masks.causal, cu_seqlens_q=cu, cu_seqlens_kv=cu
+    )
+    assert text.splitlines()[-1] == "auto: tiled", text
+    with pytest.raises(ValueError, match="both cu_seqlens_q and cu_seqlens_kv"):
+        flexfa.explain_backend(q, q, q, cu_seqlens_q=cu)

@@ -1,0 +1,161 @@
+"""Packed prefill: 8 sequences of mixed lengths (512-8192) in one packed batch, causal within each.
+
+Shape: H=16, D=128, bf16, the lengths below (26 124 tokens). Every system in one process,
+`triton.testing.do_bench` medians, TFLOP/s over the allowed pairs (forward 4·H·D·Σ L(L+1)/2,
+forward+backward 3.5× that):
+
+  flexfa   flexfa.attention(q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu), the
+           backend `--flexfa-backend` picks (default "auto")
+  fa4      FlashAttention-4's flash_attn_varlen_func(..., causal=True), if installed
+  flex     torch.compile(flex_attention) with the equivalent document-causal BlockMask (built
+           once, outside the timing)
+
+It also times what a new packed batch costs flexfa before its kernels run: the packing of the
+offsets and the BlockMask of the packed causal mask (fresh offsets tensors each time, so nothing
+is cached; the goal is <= 0.2 ms), and torch's `create_block_mask` of the same mask.
+
+    python bench/varlen.py [--systems flexfa,fa4,flex] [--flexfa-backend auto] [--rep 100]
+"""
+
+# ruff: noqa: B023
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flexfa
+from flexfa.varlen import packed_mods, packing
+
+H, D, DT, DEV = 16, 128, torch.bfloat16, "cuda"
+LENGTHS = [512, 8192, 1024, 3000, 6000, 700, 4096, 2600]
+
+
+def causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+def main() -> None:
+    from triton.testing import do_bench
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--systems", default="flexfa,fa4,flex")
+    ap.add_argument("--flexfa-backend", default="auto")
+    ap.add_argument("--rep", type=int, default=100)
+    a = ap.parse_args()
+    total = sum(LENGTHS)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    pairs = sum(n * (n + 1) // 2 for n in LENGTHS)
+    flops = 4 * H * D * pairs
+    torch.manual_seed(0)
+    q, k, v = (
+        torch.randn(1, H, total, D, device=DEV, dtype=DT, requires_grad=True) for _ in range(3)
+    )
+    do = torch.randn_like(q)
+    records = []
+
+    def emit(**rec) -> None:
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+
+    # What a new batch of offsets costs before the kernels: packing + the packed causal BlockMask.
+    def build_flexfa() -> None:
+        fresh = cu.clone()
+        pack = packing(fresh, fresh, total, total, q.device)
+        _, mask = packed_mods(None, causal, pack, H)
+        flexfa.create_block_mask(mask, 1, None, total, total, device=DEV)
+
+    def build_torch():
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc = torch.repeat_interleave(
+            torch.arange(len(LENGTHS), device=DEV), torch.tensor(LENGTHS, device=DEV)
+        )
+
+        def doc_causal(b, h, q_idx, kv_idx):
+            return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
+
+        return create_block_mask(doc_causal, 1, None, total, total, device=DEV)
+
+    for name, build in (("flexfa", build_flexfa), ("torch", build_torch)):
+        build()
+        times = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            build()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        emit(block_mask=name, ms=statistics.median(times), min_ms=min(times))
+
+    fns = {}
+    if "flexfa" in a.systems:
+        fns["flexfa"] = lambda q, k, v: flexfa.attention(
+            q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
+            backend=a.flexfa_backend,
+        )  # fmt: skip
+    if "fa4" in a.systems:
+        try:
+            from flash_attn.cute import flash_attn_varlen_func
+
+            fns["fa4"] = lambda q, k, v: flash_attn_varlen_func(
+                q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1),
+                cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(LENGTHS),
+                max_seqlen_k=max(LENGTHS), causal=True,
+            )[0].transpose(0, 1)[None]  # fmt: skip
+        except Exception as e:  # report and go on without FA4
+            emit(system="fa4", error=repr(e)[:200])
+    if "flex" in a.systems:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        tflex = torch.compile(flex_attention, dynamic=False)
+        tbm = build_torch()
+        fns["flex"] = lambda q, k, v: tflex(q, k, v, block_mask=tbm)
+
+    ref = None
+    for name, fn in fns.items():
+        try:
+            t0 = time.perf_counter()
+            out = fn(q, k, v)
+            torch.cuda.synchronize()
+            first = time.perf_counter() - t0
+            with torch.no_grad():
+                fwd = do_bench(lambda: fn(q, k, v), warmup=25, rep=a.rep, return_mode="median")
+            fn(q, k, v).backward(do)
+            fb = do_bench(
+                lambda: fn(q, k, v).backward(do), warmup=10, rep=a.rep, return_mode="median",
+                grad_to_none=[q, k, v],
+            )  # fmt: skip
+        except Exception as e:
+            emit(system=name, error=repr(e)[:300])
+            continue
+        out = out.detach().float()
+        ref = out if ref is None else ref
+        emit(
+            system=name,
+            first_call_s=first,
+            fwd_ms=fwd,
+            fwd_bwd_ms=fb,
+            fwd_tflops=flops / fwd / 1e9,
+            fwd_bwd_tflops=3.5 * flops / fb / 1e9,
+            rel_diff_vs_first=float((out - ref).norm() / ref.norm()),
+        )
+    if "flexfa" in fns:
+        emit(explain=flexfa.explain_backend(q, k, v, block_mask=causal, cu_seqlens_q=cu,
+                                            cu_seqlens_kv=cu).splitlines()[-1])  # fmt: skip
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "varlen.json"), "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
