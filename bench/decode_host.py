@@ -25,7 +25,6 @@ import json
 import os
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,19 +33,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexfa
+from bench.decode import host_us
 from flexfa.codegen.triton import launch as tlaunch
 
 B, HQ, HKV, D = 8, 32, 8, 128
-
-
-def host_us(fn, calls: int = 50) -> float:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
 
 
 def main() -> None:
