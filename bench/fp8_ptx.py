@@ -2,8 +2,9 @@
 
 Compiles the decode kernel (flexfa/codegen/triton/decode.py) for sm_90 with Triton, for a bfloat16
 and an fp8 K/V cache of the same shape (B=8, Hq=32, Hkv=8, D=128, Lq=1, Lkv=32768), and counts the
-PTX conversion instructions and MMAs: the conversions per element are what bound the fp8 decode
-(Note [fp8 K/V in float16 dots]).
+PTX conversion instructions, MMAs, asynchronous copies and shared-memory reads (what limits the
+fp8 decode, Note [fp8 K/V in float16 dots]). The kernel is specialized on its arguments as a launch
+is (Note [Offline compiles specialize as launches do]).
 
     python bench/fp8_ptx.py
     python bench/fp8_ptx.py --q-dtype float16 --kv-dtype float8_e5m2
@@ -43,6 +44,14 @@ def count(q_dtype: torch.dtype, kv_dtype: torch.dtype, lkv: int) -> dict:
         f16_dot=launch.constexprs.get("F16_DOT"),
         conversions={c: n for c, n in cvts.items() if "s32" not in c and "s64" not in c},
         mma=len(re.findall(r"\bmma\.sync|\bwgmma\.mma_async", ptx)),
+        # how K/V tiles move: asynchronous copies into shared memory, then reads from it
+        cp_async=len(re.findall(r"\bcp\.async\.c[ag]\.", ptx)),
+        shared_loads={
+            op: n
+            for op, n in collections.Counter(
+                re.findall(r"\b(ld\.shared\.[\w.]+|ldmatrix[\w.]+)", ptx)
+            ).items()
+        },
     )
 
 

@@ -213,14 +213,16 @@ _COMPILE_CHILD = textwrap.dedent(
         out, lse = torch.empty_like(q), torch.empty(2, 32, 4)
         launches = decode.launches(spec, q, k, k, out, lse, capability=(9, 0), force_compiled=True)
         ptx = compile_launch(launches[0], 90).asm["ptx"]
-        result["decode " + name] = {"sm90": ".target sm_90" in ptx, "block_n": launches[0].constexprs["BLOCK_N"]}
+        result["decode " + name] = {"sm90": ".target sm_90" in ptx, "block_n": launches[0].constexprs["BLOCK_N"],
+                                    "cp_async": "cp.async" in ptx}
         q = torch.empty(1, 4, 256, 64, dtype=torch.bfloat16)
         k = torch.empty(1, 2, 256, 64, dtype=kd)
         kernels = compile_call(
             q, k, k, None, flexfa.masks.causal, enable_gqa=True, arch=90, with_backward=False
         )
         result["fwd " + name] = {"sm90": ".target sm_90" in kernels["fwd"].asm["ptx"],
-                                 "wgmma": "wgmma" in kernels["fwd"].asm["ptx"]}
+                                 "wgmma": "wgmma" in kernels["fwd"].asm["ptx"],
+                                 "cp_async": "cp.async" in kernels["fwd"].asm["ptx"]}
     print(json.dumps(result))
     """
 )
@@ -241,6 +243,8 @@ def test_fp8_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     assert set(kernels) == {"decode e4m3fn", "fwd e4m3fn", "decode e5m2", "fwd e5m2"}
     for name, info in kernels.items():
         assert info["sm90"], name
+        # Note [Offline compiles specialize as launches do]: pipelined loads, as on the GPU
+        assert info["cp_async"], name
     assert kernels["fwd e4m3fn"]["wgmma"] and kernels["fwd e5m2"]["wgmma"]
     assert kernels["decode e4m3fn"]["block_n"] == 128  # Note [Decode configs]: fp8 tiles
 

@@ -13,11 +13,14 @@ Tests use it to catch compile errors in CI, where there is no GPU, and
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from flexfa.codegen.triton.launch import KernelLaunch
+
+log = logging.getLogger("flexfa")
 
 _DTYPES = {
     torch.float16: "fp16",
@@ -58,20 +61,54 @@ def signature(kl: KernelLaunch) -> dict[str, str]:
     return {n: sig[n] for n in kl.kernel.arg_names}
 
 
+# Note [Offline compiles specialize as launches do]
+# At a launch, Triton specializes a kernel on its arguments' values: a pointer whose address is a
+# multiple of 16 and an integer divisible by 16 are marked so (`tt.divisibility`), and an integer
+# equal to 1 becomes a constant. Those marks decide whether loads are vectorized and pipelined
+# (cp.async on sm_80+); without them the attention and decode kernels compile to one scalar load
+# per element, another kernel from the one that runs. So `compile_launch` asks Triton's own launch
+# binder (the code `JITFunction.run` calls, built for the target without a GPU) for the launch's
+# signature, constants and attributes, and compiles those: exported PTX and the analyses in
+# bench/ read the kernel a launch with these arguments runs. Should a Triton version lack that
+# binder, the launch compiles unspecialized, and a warning says its PTX is not the launched one.
+def _specialized_source(kl: KernelLaunch, target: Any) -> tuple[Any, dict[str, Any]]:
+    """Triton's ASTSource and compile options for the launch, specialized as a launch would be."""
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    fn = kl.kernel
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    kwargs = {**kl.constexprs, "num_warps": kl.num_warps, "num_stages": kl.num_stages}
+    kwargs["debug"] = False
+    bound, specialization, options = binder(*kl.args, **kwargs)
+    options, sig, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+    return ASTSource(fn, sig, constexprs, attrs), options.__dict__
+
+
 def compile_launch(kl: KernelLaunch, arch: int = 90):
-    """Compile one launch's kernel for `sm_<arch>` (CUDA); returns Triton's CompiledKernel."""
+    """Compile one launch's kernel for `sm_<arch>` (CUDA), specialized on the launch's arguments
+    as Triton specializes a launch (Note [Offline compiles specialize as launches do]); returns
+    Triton's CompiledKernel."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = kl.kernel
-    constexprs = {(fn.arg_names.index(n),): v for n, v in kl.constexprs.items()}
-    src = ASTSource(fn=fn, signature=signature(kl), constexprs=constexprs)
-    return triton.compile(
-        src,
-        target=GPUTarget("cuda", arch, 32),
-        options={"num_warps": kl.num_warps, "num_stages": kl.num_stages},
-    )
+    target = GPUTarget("cuda", arch, 32)
+    try:
+        src, options = _specialized_source(kl, target)
+    except (ImportError, AttributeError, TypeError) as e:  # another Triton's internals
+        log.warning(
+            "flexfa: compiling %s without Triton's launch specialization (%s); its PTX is not "
+            "exactly the launched kernel's",
+            kl.name,
+            e,
+        )
+        fn = kl.kernel
+        constexprs = {(fn.arg_names.index(n),): v for n, v in kl.constexprs.items()}
+        src = ASTSource(fn=fn, signature=signature(kl), constexprs=constexprs)
+        options = {"num_warps": kl.num_warps, "num_stages": kl.num_stages}
+    return triton.compile(src, target=target, options=options)
 
 
 def meta_device_launches(
