@@ -93,11 +93,24 @@ def install() -> None:
 
         if cache_utils.CUTE_DSL_CACHE_ENABLED:  # FA4 keeps everything on disk itself
             return
-        path = root / cache_utils._compute_source_fingerprint()[:24]
-        for name, fn in (("fwd", interface._flash_attn_fwd), ("bwd", interface._flash_attn_bwd)):
-            cache = fn.compile_cache
-            if not isinstance(cache, _Routed):
-                fn.compile_cache = _Routed(cache, cache_utils.JITPersistentCache(path / name))
+        try:  # FA4's internals, as of the pinned versions
+            path = root / cache_utils._compute_source_fingerprint()[:24]
+            entries = [
+                (fn, cache_utils.JITPersistentCache(path / name))
+                for name, fn in (
+                    ("fwd", interface._flash_attn_fwd),
+                    ("bwd", interface._flash_attn_bwd),
+                )
+            ]
+        except (AttributeError, OSError) as e:
+            diskcache.warn(
+                f"flexfa: FA4 kernels stay in memory for this process (cannot keep them on disk: {e})",
+                once=("fa4-disk", type(e).__name__),
+            )
+            return
+        for fn, disk in entries:
+            if not isinstance(fn.compile_cache, _Routed):
+                fn.compile_cache = _Routed(fn.compile_cache, disk)
 
 
 def reset() -> None:

@@ -228,12 +228,13 @@ def default_config(
 # have 128 keys rather than 64: the same bytes per load and in flight per pipeline stage as a 16-bit
 # cache, and half as many loop iterations. Its registers are those of a 16-bit cache with 128-key
 # tiles, which measured within 1-4% of 64-key tiles (docs/performance.md); the K/V tiles are
-# converted to q's dtype after they reach registers. On the H200 they want a deeper pipeline than
-# 16-bit tiles: at Lq=1, B=8, Hkv=8, 128-key fp8 tiles took 595 us at 128k keys with 5 stages
-# against 696 with 3, and 311 against 359 at 64k (7 and 8 stages were no better than 5; 64-key fp8
-# tiles took 720 us at 128k with 5 stages against 974 with 3), while a bfloat16 cache lost 11% with
-# 5 (1093 against 984 us); so sm90 and later run fp8 tiles with 5 stages. Paged caches whose pages are not a multiple of
+# converted to q's dtype after they reach registers. Paged caches whose pages are not a multiple of
 # 128 keys keep 64-key tiles, which look up one page id per tile rather than one per key.
+# On the H200 fp8 tiles want a deeper pipeline than 16-bit ones: at Lq=1, B=8, Hkv=8, 128-key fp8
+# tiles took 595 us at 128k keys with 5 stages against 696 with 3, and 311 against 359 at 64k (7 and
+# 8 stages were no better than 5; 64-key fp8 tiles took 720 us at 128k with 5 stages against 974
+# with 3), while a bfloat16 cache lost 11% with 5 (1093 against 984 us). So sm90 and later run fp8
+# tiles with 5 stages (5 x 32 KB of K and V in flight fits Hopper's shared memory).
 #
 # Note [fp8 K/V in float16 dots]
 # On the H200 the fp8 decode took as long as the bfloat16 one (docs/performance.md), though it

@@ -3,8 +3,14 @@ hash reach the disk store; everything else stays in FA4's memory cache, as witho
 
 from __future__ import annotations
 
+import sys
+import types
+
+import pytest
+
 from flexfa.codegen.cute import jitcache
 from flexfa.config import config
+from flexfa.diskcache import CacheWarning
 
 
 class Store(dict):
@@ -46,3 +52,53 @@ def test_tag_sets_the_hash_fa4_keys_by():
     jitcache.tag(hook, "ab" * 32, "SCORE_MOD")
     assert hook.__cute_hash__ == "flexfa-" + "ab" * 16 + "-SCORE_MOD"
     jitcache.tag(None, "ab" * 32, "MASK_MOD")  # an unused hook is skipped
+
+
+def _fake_fa4(monkeypatch, fingerprint):
+    """flash_attn.cute's cache_utils and interface as `install` uses them (nothing imported)."""
+    utils = types.SimpleNamespace(
+        CUTE_DSL_CACHE_ENABLED=False,
+        _compute_source_fingerprint=fingerprint,
+        JITPersistentCache=lambda path: Store(),
+    )
+    fwd, bwd = (
+        types.SimpleNamespace(compile_cache=Store()),
+        types.SimpleNamespace(compile_cache=Store()),
+    )
+    interface = types.SimpleNamespace(_flash_attn_fwd=fwd, _flash_attn_bwd=bwd)
+    package = types.ModuleType("flash_attn.cute")
+    package.cache_utils, package.interface = utils, interface
+    monkeypatch.setitem(sys.modules, "flash_attn", types.ModuleType("flash_attn"))
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", package)
+    return fwd, bwd
+
+
+def test_install_wraps_fa4s_caches_once(monkeypatch, tmp_path):
+    fwd, bwd = _fake_fa4(monkeypatch, lambda: "ab" * 32)
+    jitcache.reset()
+    with config.override(cache_dir=str(tmp_path)):
+        try:
+            jitcache.install()
+            jitcache.install()
+            assert isinstance(fwd.compile_cache, jitcache._Routed)
+            assert isinstance(bwd.compile_cache, jitcache._Routed)
+            assert not isinstance(fwd.compile_cache.memory, jitcache._Routed)
+        finally:
+            jitcache._installed = False
+
+
+def test_fa4_internals_that_changed_leave_the_caches_in_memory(monkeypatch, tmp_path):
+    """An FA4 without the pieces `install` uses: a warning, and FA4's caches as they were."""
+
+    def missing():
+        raise AttributeError("module 'cache_utils' has no attribute '_compute_source_fingerprint'")
+
+    fwd, _ = _fake_fa4(monkeypatch, missing)
+    jitcache.reset()
+    with config.override(cache_dir=str(tmp_path)):
+        try:
+            with pytest.warns(CacheWarning, match="FA4 kernels stay in memory"):
+                jitcache.install()
+            assert isinstance(fwd.compile_cache, Store)
+        finally:
+            jitcache._installed = False
