@@ -169,14 +169,27 @@ def _fast_key(kl: KernelLaunch) -> tuple:
     )
 
 
+_direct: dict[tuple, DirectLaunch] = {}
+
+
 def launch(kl: KernelLaunch) -> None:
-    """Run a launch, logging the first launch of each specialization if it takes long (a compile)."""
+    """Run a launch, logging the first launch of each specialization if it takes long (a compile);
+    later launches of the same kernel and constexprs are direct (Note [Direct launches])."""
+    key = _fast_key(kl)
+    if key in _launched:
+        direct = _direct.get(key)
+        if direct is None:
+            direct = _direct[key] = DirectLaunch(
+                kl.kernel, kl.constexprs, kl.num_warps, kl.num_stages
+            )
+        direct(kl.grid, kl.args)
+        return
     run = lambda: kl.kernel[kl.grid](
         *kl.args, num_warps=kl.num_warps, num_stages=kl.num_stages, **kl.constexprs
     )
     if _pending:  # a compile of this kernel may have been started by prewarm
         _await_pending(kl)
-    run_logged(_fast_key(kl), kl.label, run)
+    run_logged(key, kl.label, run)
 
 
 # Note [Direct launches]
@@ -192,7 +205,12 @@ def launch(kl: KernelLaunch) -> None:
 # (Triton specializes on divisibility by 16, on 1 and on the integer's width), the type of every
 # other argument, and the current device. A new fingerprint goes through `JITFunction.run` once
 # (which compiles or finds the specialization) and is remembered. Under TRITON_INTERPRET there is
-# no compiled kernel, and every call goes through the JIT function.
+# no compiled kernel, and every call goes through the JIT function; FLEXFA_DIRECT_LAUNCH=0 does the
+# same on a GPU.
+# Every launch takes this path after its first (logged) one: `launch` keeps a `DirectLaunch` per
+# kernel, options and constexprs (`_fast_key`); the decode path keeps its own in its cached plan,
+# which also spares it building `KernelLaunch` records (Note [Decode host time]). On the H200 a
+# direct launch cost about 28 us of host time less than Triton's path (docs/performance.md).
 class DirectLaunch:
     """Launch one Triton kernel with fixed constexprs and options, skipping `JITFunction.run`'s
     per-call work after the first call with each argument fingerprint (Note [Direct launches])."""
@@ -216,11 +234,13 @@ class DirectLaunch:
         # The generated kernels declare their constexprs last, so the full argument list of a
         # launch is the positional arguments followed by the constexprs in declaration order.
         self._constexpr_values: tuple | None = (
-            tuple(constexprs[n] for n in tail) if set(tail) == set(constexprs) else None
+            tuple(constexprs[n] for n in tail)
+            if set(tail) == set(constexprs) and config.direct_launch
+            else None
         )
         self._compiled: dict[tuple, Any] = {}
 
-    def __call__(self, grid: tuple[int, ...], args: list) -> None:
+    def __call__(self, grid: tuple[int, ...], args: list | tuple) -> None:
         if self._constexpr_values is None or config.triton_interpret:
             self._jit(grid, args)
             return
@@ -233,13 +253,13 @@ class DirectLaunch:
             return
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)  # it indexes 3 dims
 
-    def _jit(self, grid: tuple[int, ...], args: list) -> Any:
+    def _jit(self, grid: tuple[int, ...], args: list | tuple) -> Any:
         return self.kernel[grid](
             *args, num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs
         )
 
 
-def _fingerprint(args: list) -> tuple:
+def _fingerprint(args: list | tuple) -> tuple:
     """What Triton's specialization of a launch depends on (Note [Direct launches])."""
     return (
         torch.cuda.current_device(),

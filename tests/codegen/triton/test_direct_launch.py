@@ -89,3 +89,40 @@ def test_constexprs_not_last_or_interpreter_always_use_the_jit(compiled_mode):
         for _ in range(3):
             dl2((1,), [x, 32, 0.5])
     assert [e[0] for e in jit2.log] == ["jit"] * 3
+
+
+def test_launch_goes_direct_after_the_first_launch(compiled_mode):
+    """`launch` (every Triton launch of the attention kernels) logs and runs the first launch of a
+    specialization through the JIT function, and later ones through a cached DirectLaunch."""
+    from flexfa.codegen.triton.launch import KernelLaunch
+    from flexfa.codegen.triton.params import KernelKey
+
+    jit = FakeJit()
+    key = KernelKey(None, "k", "bf16", 64, 64, None, (("BLOCK", 64), ("EVEN", True)))
+    x = torch.zeros(64)
+
+    def kl(n):
+        return KernelLaunch(
+            "k", jit, (2, 1), (x, n, 0.5), {"BLOCK": 64, "EVEN": True}, 4, 2, key, "k"
+        )
+
+    try:
+        for n in (32, 32, 32, 48):
+            launch_mod.launch(kl(n))
+        # 1st: logged JIT launch; 2nd: the DirectLaunch's first (JIT) call; 3rd: direct;
+        # 4th: another integer, so Triton's path again.
+        assert [e[0] for e in jit.log] == ["jit", "jit", "direct", "jit"], jit.log
+    finally:
+        fast = launch_mod._fast_key(kl(32))
+        launch_mod._launched.discard(fast)
+        launch_mod._direct.pop(fast, None)
+
+
+def test_turned_off_every_call_goes_through_the_jit(compiled_mode):
+    jit = FakeJit()
+    with config.override(direct_launch=False):
+        dl = DirectLaunch(jit, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    for _ in range(3):
+        dl((1,), [x, 32, 0.5])
+    assert [e[0] for e in jit.log] == ["jit"] * 3
