@@ -201,9 +201,9 @@ def launch(kl: KernelLaunch) -> None:
 # arguments, the `CompiledKernel` that Triton's own path returned for them, and calls it directly
 # (`CompiledKernel[grid](*all_args)`, Triton's public launcher of a compiled kernel). The
 # fingerprint holds everything Triton specializes a kernel on that can vary between calls with the
-# same constexprs and options: each tensor's dtype and address modulo 16, each integer's value
-# (Triton specializes on divisibility by 16, on 1 and on the integer's width), the type of every
-# other argument, and the current device. A new fingerprint goes through `JITFunction.run` once
+# same constexprs and options: each tensor's dtype and address modulo 16, each integer's and
+# bool's value (Triton specializes integers on divisibility by 16, on 1 and on their width), the
+# type of every other argument, and the current device. A new fingerprint goes through `JITFunction.run` once
 # (which compiles or finds the specialization) and is remembered. Under TRITON_INTERPRET there is
 # no compiled kernel, and every call goes through the JIT function; FLEXFA_DIRECT_LAUNCH=0 does the
 # same on a GPU.
@@ -265,7 +265,7 @@ def _fingerprint(args: list | tuple) -> tuple:
         torch.cuda.current_device(),
         *[
             a
-            if type(a) is int
+            if type(a) is int or type(a) is bool
             else (a.dtype, a.data_ptr() & 15)
             if isinstance(a, torch.Tensor)
             else type(a)
