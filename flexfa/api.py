@@ -132,28 +132,91 @@ def attention(
         if return_aux is not None:
             return out, _aux_output(return_aux, lse, max_scores)
         return (out, lse) if return_lse else out
-    spec = build_spec(
-        q,
-        k,
-        v,
-        score_mod,
-        block_mask,
-        scale=scale,
-        enable_gqa=enable_gqa,
-        kernel_options=kernel_options,
-        deterministic=deterministic,
-        page_table=page_table,
-        kv_lens=kv_lens,
-    )
-    if want_max:
-        spec = dataclasses.replace(spec, max_scores=True)
-    impl = backends.select(backend, spec)
+    key = None
+    if _memo_eligible(q, k, v, block_mask, page_table, kv_lens):
+        traced = _trace_score_mod(score_mod, q.shape[1], q.device)
+        key = _memo_key(q, k, v, traced, block_mask, scale, enable_gqa, kernel_options,
+                        deterministic, backend, want_max)  # fmt: skip
+    found = _memo.get(key) if key is not None else None
+    if found is not None:
+        spec, impl = found[0], found[1]
+    else:
+        spec = build_spec(
+            q,
+            k,
+            v,
+            score_mod,
+            block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
+            kernel_options=kernel_options,
+            deterministic=deterministic,
+            page_table=page_table,
+            kv_lens=kv_lens,
+        )
+        if want_max:
+            spec = dataclasses.replace(spec, max_scores=True)
+        impl = backends.select(backend, spec)
+        if key is not None:
+            if len(_memo) >= _MEMO_SIZE:
+                _memo.pop(next(iter(_memo)))
+            _memo[key] = (spec, impl, traced, block_mask)  # the objects whose ids are in the key
     out, lse, *rest = impl.run(spec, q, k, v)
     if spec.kv_fp8:
         out, lse = _refuse_backward(spec, q, k, v, out, lse)
     if return_aux is not None:
         return out, _aux_output(return_aux, lse, rest[0] if rest else None)
     return (out, lse) if return_lse else out
+
+
+# Note [Repeated inference calls]
+# A decode loop calls `flexfa.attention` with the same kinds of tensors, mods and options at every
+# step, and at 4k keys the host time of a call decides the step (docs/performance.md). With
+# gradients disabled, a call's AttentionSpec and backend depend only on the shapes, strides, dtypes
+# and devices of q, k and v; the traced score_mod (the trace cache's answer, which notices a
+# replaced capture or a changed float); the BlockMask object, or None; and scale, enable_gqa,
+# kernel_options, deterministic, backend and max_scores. `_memo` keeps the (spec, backend) of such
+# calls under those values, with the traced mod and the BlockMask themselves (so that their ids in
+# the key stay theirs), and a repeated call skips the argument checks, the block-mask binding and
+# the backend choice, which would give the same answers: the checks depend on nothing else. Calls
+# with gradients enabled (their spec follows requires_grad flags that may change between calls),
+# paged calls (their page tables are checked at every call) and block masks given as mask_mods or
+# torch BlockMasks take the full path. A BlockMask changed in place is as visible as it is to the
+# caches keyed by it already (Note [Decode host time]).
+_memo: dict[tuple, tuple] = {}
+_MEMO_SIZE = 256
+
+
+def _memo_eligible(q, k, v, block_mask, page_table, kv_lens) -> bool:
+    return (
+        not torch.is_grad_enabled()
+        and page_table is None
+        and kv_lens is None
+        and (block_mask is None or type(block_mask) is BlockMask)
+        and isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and q.ndim == k.ndim == v.ndim == 4
+    )
+
+
+def _memo_key(
+    q, k, v, traced, block_mask, scale, enable_gqa, kernel_options, deterministic, backend, want_max
+) -> tuple | None:
+    """The key of a repeated inference call (Note [Repeated inference calls]); None when an
+    argument cannot be part of one."""
+    key = (
+        q.shape, q.stride(), q.dtype, q.device,
+        k.shape, k.stride(), k.dtype, k.device,
+        v.shape, v.stride(), v.dtype, v.device,
+        id(traced), id(block_mask), scale, enable_gqa, deterministic, backend, want_max,
+        tuple(sorted(kernel_options.items())) if kernel_options else None,
+    )  # fmt: skip
+    try:
+        hash(key)
+    except TypeError:  # e.g. a list among kernel_options' values
+        return None
+    return key
 
 
 def _check_aux(request: Any, return_lse: bool) -> bool:
