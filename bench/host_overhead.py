@@ -4,7 +4,11 @@ Times, per call (the fastest of `--repeat` rounds of `--calls` calls), with a le
 bias (a captured tensor that requires grad), a closed-over float and the causal mask:
   - `build_spec`: argument checks, trace-cache lookup, block-mask cache lookup;
   - `build_spec + Launcher`: the above plus the Triton launcher's plan lookup (no kernel launch);
-  - `attention (tiled, L=16)`: a whole eager call on tiny inputs, forward only.
+  - `attention (tiled, L=16)`: a whole eager call on tiny inputs, forward only;
+  - `decode step ...`: a decode call's host work through the Triton backend (Lq=1, B=2, Hq=8, Hkv=2,
+    Lkv=512, fp16, GQA; then ALiBi with a sliding-window BlockMask), everything but the kernel
+    launch (the decode kernel is replaced by a no-op after a first real call), under torch.no_grad,
+    with repeated calls reusing their spec ("memo", Note [Repeated inference calls]) and without.
 
     python bench/host_overhead.py --calls 2000 --repeat 5
 """
@@ -66,8 +70,44 @@ def main() -> None:
         ("build_spec", spec_only),
         ("build_spec + Launcher", spec_and_launcher),
         ("attention (tiled, L=16)", whole_call),
+        *decode_steps(),
     ):
-        print(f"{name:26s} {per_call_us(fn, args.calls, args.repeat):8.1f} us/call")
+        print(f"{name:34s} {per_call_us(fn, args.calls, args.repeat):8.1f} us/call")
+
+
+def decode_steps():
+    """(name, fn) of decode calls whose kernel launches are no-ops (after one real call)."""
+    from flexfa import api
+    from flexfa.codegen.triton import launch
+
+    qd = torch.randn(2, 8, 1, 64, dtype=torch.float16)
+    kd, vd = (torch.randn(2, 2, 512, 64, dtype=torch.float16) for _ in range(2))
+    window = flexfa.create_block_mask(flexfa.masks.sliding_window(128), 2, 8, 1, 512)
+    calls = {
+        "plain": lambda: flexfa.attention(qd, kd, vd, enable_gqa=True, backend="triton"),
+        "ALiBi + window": lambda: flexfa.attention(
+            qd, kd, vd, flexfa.mods.alibi, window, enable_gqa=True, backend="triton"
+        ),
+    }
+    with torch.no_grad():
+        for fn in calls.values():
+            fn()  # compiles (interprets) once and prepares the plan
+    launch.DirectLaunch.__call__ = lambda self, grid, args: None  # the host work alone
+    eligible = api._memo_eligible
+
+    def step(fn, memo: bool):
+        def run():
+            api._memo_eligible = eligible if memo else (lambda *a: False)
+            with torch.no_grad():
+                fn()
+
+        return run
+
+    return [
+        (f"decode step, {name}, {'memo' if memo else 'no memo'}", step(fn, memo))
+        for name, fn in calls.items()
+        for memo in (False, True)
+    ]
 
 
 if __name__ == "__main__":
