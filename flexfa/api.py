@@ -182,9 +182,11 @@ def attention(
 # with gradients enabled (their spec follows requires_grad flags that may change between calls),
 # paged calls (their page tables are checked at every call) and block masks given as mask_mods or
 # torch BlockMasks take the full path. A BlockMask changed in place is as visible as it is to the
-# caches keyed by it already (Note [Decode host time]).
+# caches keyed by it already (Note [Decode host time]). The memo keeps the last _MEMO_SIZE calls
+# (a model's decode step has a handful of distinct calls), so it holds at most that many BlockMasks
+# alive beyond their callers' use, e.g. the per-step slices of a decoding loop.
 _memo: dict[tuple, tuple] = {}
-_MEMO_SIZE = 256
+_MEMO_SIZE = 16
 
 
 def _memo_eligible(q, k, v, block_mask, page_table, kv_lens) -> bool:

@@ -85,3 +85,21 @@ def test_bad_arguments_still_raise_after_a_good_call(spec_builds):
             flexfa.attention(q, k, v, scale="big")
         with pytest.raises(ValueError, match="4 dims"):
             flexfa.attention(q[0], k, v)
+
+
+def test_the_memo_keeps_only_the_last_calls(spec_builds):
+    """Per-step BlockMasks (a decoding loop's slices) are not kept alive past the memo's size."""
+    import gc
+    import weakref
+
+    q, k, v = (torch.randn(1, 2, 1, 16) for _ in range(3))
+    refs = []
+    with torch.no_grad():
+        for _ in range(api._MEMO_SIZE + 4):
+            bm = flexfa.create_block_mask(flexfa.masks.noop_mask, 1, 2, 1, 1)
+            flexfa.attention(q, k, v, block_mask=bm)
+            refs.append(weakref.ref(bm))
+    del bm
+    gc.collect()
+    assert len(api._memo) == api._MEMO_SIZE
+    assert all(r() is None for r in refs[:4]), "the oldest BlockMasks are released"
