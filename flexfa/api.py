@@ -153,6 +153,7 @@ def attention(
             deterministic=deterministic,
             page_table=page_table,
             kv_lens=kv_lens,
+            traced_score_mod=traced if key is not None else _UNTRACED,
         )
         if want_max:
             spec = dataclasses.replace(spec, max_scores=True)
@@ -187,6 +188,7 @@ def attention(
 # alive beyond their callers' use, e.g. the per-step slices of a decoding loop.
 _memo: dict[tuple, tuple] = {}
 _MEMO_SIZE = 16
+_UNTRACED = object()  # build_spec traces the score_mod itself
 
 
 def _memo_eligible(q, k, v, block_mask, page_table, kv_lens) -> bool:
@@ -252,8 +254,12 @@ def build_spec(
     deterministic: bool = False,
     page_table: torch.Tensor | None = None,
     kv_lens: torch.Tensor | None = None,
+    traced_score_mod: Any = _UNTRACED,
 ) -> AttentionSpec:
-    """Validate a call's arguments, trace its mods and bind its block mask."""
+    """Validate a call's arguments, trace its mods and bind its block mask.
+
+    `traced_score_mod`: the score_mod already traced for these inputs (by `attention`'s repeated-
+    call path, Note [Repeated inference calls]), so that a call is traced once."""
     paged = None
     if page_table is None and kv_lens is None:
         shape = validate_qkv(q, k, v, enable_gqa=enable_gqa)
@@ -266,7 +272,11 @@ def build_spec(
         raise TypeError(
             f"kernel_options must be a dict or None, got {type(kernel_options).__name__}"
         )
-    traced_score = _trace_score_mod(score_mod, Hq, q.device)
+    traced_score = (
+        _trace_score_mod(score_mod, Hq, q.device)
+        if traced_score_mod is _UNTRACED
+        else traced_score_mod
+    )
     bm = resolve_block_mask(block_mask, B, Hq, Lq, Lkv, q.device)
     needs_grad = _wants_grad(q, k, v, traced_score)
     if needs_grad and (k.dtype != q.dtype or v.dtype != q.dtype):
