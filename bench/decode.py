@@ -131,7 +131,7 @@ def main() -> None:
             configs = [{}, dict(decode_merge="separate")]
             for bn, st, w in ((64, 4, 4), (64, 3, 2), (128, 3, 4)):
                 configs.append(dict(decode_block_n=bn, decode_num_stages=st, decode_num_warps=w))
-            for splits in (4, 16):
+            for splits in (4, 6, 10, 12, 16):
                 configs.append(dict(decode_splits=splits))
             results = []
             for opts in configs:

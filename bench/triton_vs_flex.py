@@ -195,7 +195,9 @@ def bench_case(name: str, args) -> dict:
 # -- compile times ----------------------------------------------------------------------------------
 
 _COMPILE_CHILD = r"""
-import json, sys, time, torch
+import json, logging, sys, time, torch
+if {log!r}:
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(threadName)s %(message)s")
 sys.path.insert(0, {root!r})
 import flexfa
 sys.path.insert(0, {bench!r})
@@ -219,12 +221,14 @@ print(json.dumps(dict(fwd_s=fwd, bwd_s=bwd)))
 """
 
 
-def compile_times(cases: list[str]) -> list[dict]:
-    """First-call times in fresh processes: 'cold' with empty caches, 'warm' reusing them."""
+def compile_times(cases: list[str], systems: list[str], log: bool = False) -> list[dict]:
+    """First-call times in fresh processes: 'cold' with empty caches, 'warm' reusing them. With
+    `log`, flexfa's compile log of each child (FLEXFA_LOG_COMPILES, ms since the child started) is
+    kept in the row."""
     root = str(Path(__file__).resolve().parent.parent)
     rows = []
     for name in cases:
-        for which in ("flexfa", "flex"):
+        for which in systems:
             with tempfile.TemporaryDirectory() as tmp:
                 env = dict(
                     os.environ,
@@ -232,8 +236,10 @@ def compile_times(cases: list[str]) -> list[dict]:
                     TRITON_CACHE_DIR=f"{tmp}/triton",
                     TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor",
                 )
+                if log:
+                    env["FLEXFA_LOG_COMPILES"] = "1"
                 code = _COMPILE_CHILD.format(
-                    root=root, bench=str(Path(__file__).parent), which=which, name=name
+                    root=root, bench=str(Path(__file__).parent), which=which, name=name, log=log
                 )
                 row = {"case": name, "system": which}
                 for phase in ("cold", "warm"):
@@ -244,6 +250,10 @@ def compile_times(cases: list[str]) -> list[dict]:
                         row[phase] = {"error": res.stderr[-800:]}
                     else:
                         row[phase] = json.loads(res.stdout.strip().splitlines()[-1])
+                    if log:
+                        row[phase]["log"] = [
+                            ln for ln in res.stderr.splitlines() if "flexfa" in ln
+                        ][-40:]
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     return rows
@@ -260,6 +270,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--rep", type=int, default=300)
     p.add_argument("--compile", action="store_true", help="measure cold/warm compile times instead")
+    p.add_argument(
+        "--systems", default="flexfa,flex", help="with --compile: flexfa, flex (torch) or both"
+    )
+    p.add_argument("--log", action="store_true", help="with --compile: keep flexfa's compile log")
     p.add_argument("--fused-dq", action="store_true", help="also time the fused-dQ backward mode")
     args = p.parse_args()
     cases = [c for c in args.cases.split(",") if c]
@@ -270,7 +284,7 @@ def main() -> None:
     print(torch.__version__, torch.cuda.get_device_name(), flush=True)
     out_dir = os.environ.get("OUT")
     if args.compile:
-        rows = compile_times(cases)
+        rows = compile_times(cases, args.systems.split(","), args.log)
         if out_dir:
             Path(out_dir, "compile_times.json").write_text(json.dumps(rows, indent=1))
         print(

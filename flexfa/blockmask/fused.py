@@ -64,7 +64,7 @@ from flexfa.blockmask.grid import TileGrid, TileSet
 from flexfa.blockmask.intervals import Interval, Truth
 from flexfa.blockmask.lines import Sig, _Line
 from flexfa.codegen.triton.emit import capture_values
-from flexfa.codegen.triton.launch import run_logged
+from flexfa.codegen.triton.launch import compiling_in_background, run_logged
 from flexfa.frontend.trace import TracedMod
 
 log = logging.getLogger("flexfa")
@@ -247,11 +247,17 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
         CHUNK=_pow2_at_least(max(nq, nkv), _KLINE_CHUNK_CAP if kernel_lines else _CHUNK_CAP),
     )
     args_ = (out, grid.q_len, grid.kv_len, nq, nkv, grid.heads, P, *args.values)
-    run_logged(
-        (id(kernel), str(grid.device), *constexprs.values()),
-        f"block lists of {mask.name}",
-        lambda: kernel[(nq + nkv, P)](*args_, *capture_values(mask.tensors), **constexprs),
-    )
+    fast_key = (id(kernel), str(grid.device), *constexprs.values())
+    label = f"block lists of {mask.name}"
+    launch_args = (*args_, *capture_values(mask.tensors))
+    warm = lambda: kernel.warmup(*launch_args, grid=(nq + nkv, P), **constexprs)
+    if compiling_in_background(fast_key, label, warm):
+        # Note [Concurrent compiles]: the general path builds the same lists meanwhile.
+        log.debug(
+            "flexfa: block mask of %s takes the general path: its kernel is compiling", mask.name
+        )
+        return None
+    run_logged(fast_key, label, lambda: kernel[(nq + nkv, P)](*launch_args, **constexprs))
     if int(out[total].item()) != 0:
         log.debug("flexfa: block mask of %s takes the general path: undecided tiles", mask.name)
         return None

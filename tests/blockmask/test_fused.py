@@ -210,3 +210,28 @@ def test_affine_values_that_fold_to_constants() -> None:
             bm = flexfa.create_block_mask(fn, 2, None, 80, 70, BLOCK_SIZE=16)
         want = oracle.expected_states(fn, 1, 1, 80, 70, BlockSize(16, 16))
         assert torch.equal(oracle.states_of(bm, 1, 1), want), fn.__name__
+
+
+def test_a_cold_kernel_compiles_in_the_background_while_the_general_path_builds(
+    monkeypatch, caplog
+) -> None:
+    # Note [Concurrent compiles]: while the kernel compiles, the general path gives the lists;
+    # once it is ready, the kernel does, and both are the same.
+    states = iter([True, False])
+    seen = []
+
+    def compiling(fast_key, label, warm):
+        seen.append(label)
+        return next(states)
+
+    monkeypatch.setattr(fused, "compiling_in_background", compiling)
+    traced, grid = _grid(fm.sliding_window(37), 2, 150, 211, 16)
+    with caplog.at_level(logging.DEBUG, logger="flexfa"):
+        assert fused.build(traced, grid) is None
+    assert "its kernel is compiling" in caplog.text
+    got = fused.build(traced, grid)
+    assert got is not None
+    assert seen == ["block lists of " + traced.name] * 2
+    with flexfa.config.override(fused_block_mask="off"):
+        want = flexfa.create_block_mask(fm.sliding_window(37), 2, None, 150, 211, BLOCK_SIZE=16)
+    _same_lists(got, want)

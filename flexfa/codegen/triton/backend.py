@@ -544,6 +544,10 @@ class _TritonFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, launcher: Launcher, q, k, v, *score_tensors):
         out, lse = launcher.forward(q, k, v, score_tensors)
+        # An unused output's gradient comes as None, not a tensor of zeros: no LSE gradient to
+        # read then, and the backward's kernels are the ones the forward started compiling
+        # (Note [Concurrent compiles]).
+        ctx.set_materialize_grads(False)
         ctx.launcher = launcher
         ctx.save_for_backward(q, k, v, launcher.saved_out, lse, *score_tensors)
         max_scores = launcher.max_scores if launcher.max_scores is not None else lse.new_empty(0)

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,8 +80,14 @@ def run_logged(fast_key: tuple, label: str, run) -> None:
 # launch compiles again and reports any error itself.
 # A forward that will be followed by a backward starts those compiles already (`prewarm`, with
 # stand-in tensors shaped like the backward's), so they overlap the forward's own compile and run;
-# the backward then waits only for what is still compiling. FLEXFA_CONCURRENT_COMPILE=0 turns both
-# off.
+# the backward then waits only for what is still compiling. A compile on the pool also loads the
+# kernel (`_init_handles`): Triton builds each signature's C launcher with the host compiler at a
+# kernel's first launch, about 0.3 s apiece with a cold cache on the H200, which was left on the
+# critical path otherwise. A kernel whose result the caller can get another way (the block-mask
+# kernel of Note [Fused analysis], whose lists the general path also builds) is not waited for
+# at all: `compiling_in_background` starts its compile and the caller takes the other way until it
+# is ready, so a cold first call no longer waits seconds for that compile before the forward's.
+# FLEXFA_CONCURRENT_COMPILE=0 turns all of this off.
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 _pending: dict[tuple, concurrent.futures.Future] = {}
@@ -102,13 +110,65 @@ def _submit(cold: list[KernelLaunch]) -> list[concurrent.futures.Future]:
     device = torch.cuda.current_device()
 
     def compile_one(kl: KernelLaunch) -> None:
-        with torch.cuda.device(device):
-            kl.kernel.warmup(
+        _compile_and_load(
+            kl.label,
+            device,
+            lambda: kl.kernel.warmup(
                 *kl.args, grid=kl.grid, num_warps=kl.num_warps, num_stages=kl.num_stages,
                 **kl.constexprs,
-            )  # fmt: skip
+            ),
+        )  # fmt: skip
 
     return [_executor().submit(compile_one, kl) for kl in cold]
+
+
+def _compile_and_load(label: str, device: int, warm: Callable[[], Any]) -> None:
+    """Compile a kernel with `warm()` (a Triton `warmup` call) and load it for launching: its
+    module and its launcher (Note [Concurrent compiles])."""
+    start = time.perf_counter()
+    with torch.cuda.device(device):
+        compiled = warm()
+        init = getattr(compiled, "_init_handles", None)
+        if init is not None:
+            init()
+    log.log(
+        logging.INFO if config.log_compiles else logging.DEBUG,
+        "flexfa: %s kernel compiled concurrently in %.2f s",
+        label,
+        time.perf_counter() - start,
+    )
+
+
+_background: dict[tuple, concurrent.futures.Future] = {}
+
+
+def wait_for_background() -> None:
+    """Wait until every compile `compiling_in_background` started has finished (for tests and
+    benchmarks that want the kernels, not the other way to their results)."""
+    for future in list(_background.values()):
+        with contextlib.suppress(Exception):  # reported when the kernel is next asked for
+            future.result()
+
+
+def compiling_in_background(fast_key: tuple, label: str, warm: Callable[[], Any]) -> bool:
+    """For a kernel whose launch can wait, because the caller has another way to the same result:
+    True while the kernel is cold and compiling on the thread pool (started on the first call),
+    False once it is ready to launch, or when compiles are not concurrent (under TRITON_INTERPRET,
+    without CUDA, FLEXFA_CONCURRENT_COMPILE=0), where the launch compiles it. `warm()` compiles it
+    without launching (Note [Concurrent compiles])."""
+    if fast_key in _launched or not concurrent_enabled():
+        return False
+    future = _background.get(fast_key)
+    if future is None:
+        device = torch.cuda.current_device()
+        _background[fast_key] = _executor().submit(_compile_and_load, label, device, warm)
+        return True
+    if not future.done():
+        return True
+    del _background[fast_key]
+    if future.exception() is not None:  # the launch compiles it again and raises if it must
+        log.debug("flexfa: background compile of %s failed: %s", label, future.exception())
+    return False
 
 
 def _wait(kl: KernelLaunch, future: concurrent.futures.Future) -> None:

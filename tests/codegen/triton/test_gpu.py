@@ -135,3 +135,61 @@ def test_upstream_gradient_and_capture_layouts_on_gpu(i: int) -> None:
     for name, a, e, r in zip(("dq", "dk", "dv", "dtable"), got[2], eager[2], ref[2]):
         check(name, a, e, r)
     check.assert_ok()
+
+
+_COLD_PROCESS = r"""
+import json, logging, sys
+import torch
+import flexfa
+from flexfa import masks as fm
+from flexfa.codegen.triton import launch
+
+records = []
+handler = logging.Handler()
+handler.emit = lambda r: records.append(r.getMessage())
+logging.getLogger("flexfa").addHandler(handler)
+logging.getLogger("flexfa").setLevel(logging.DEBUG)
+
+def lists(bm):
+    return [getattr(bm, n).index.cpu() for n in ("kv_partial", "kv_full", "q_partial", "q_full")]
+
+def general(n):
+    with flexfa.config.override(fused_block_mask="off"):
+        return flexfa.create_block_mask(mask, None, None, n, n, device="cuda")
+
+mask = fm.and_masks(fm.causal, fm.sliding_window(300))
+first = flexfa.create_block_mask(mask, None, None, 1024, 1024, device="cuda")  # kernel cold
+for future in list(launch._background.values()):
+    future.result()
+records.append("-- second build --")
+# Another length with the same tile counts and divisibility: the same compiled kernel.
+second = flexfa.create_block_mask(mask, None, None, 1008, 1008, device="cuda")
+same = [bool(torch.equal(a, b)) for a, b in zip(lists(first), lists(general(1024)))]
+same += [bool(torch.equal(a, b)) for a, b in zip(lists(second), lists(general(1008)))]
+print(json.dumps(dict(same=same, log=records)))
+"""
+
+
+def test_cold_block_mask_kernel_compiles_in_the_background(tmp_path) -> None:
+    """A fresh process's first block mask comes from the general path while the fused kernel
+    compiles on the pool (Note [Concurrent compiles]); the next build uses the kernel. The lists
+    are the same all three ways."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "flexfa"), TRITON_CACHE_DIR=str(tmp_path / "t")
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", _COLD_PROCESS], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert all(got["same"]), got
+    log = "\n".join(got["log"])
+    cold, warm = log.split("-- second build --")
+    assert "its kernel is compiling" in cold, log
+    assert "kernel compiled concurrently" in cold, log
+    assert "block lists of" in warm and "general path" not in warm, log

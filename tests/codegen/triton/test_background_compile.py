@@ -1,0 +1,84 @@
+"""`compiling_in_background` (Note [Concurrent compiles]): a cold kernel whose caller has another
+way to its result is compiled and loaded on the thread pool, never waited for. Triton's objects
+are stood in for by fakes, so this runs on a CPU."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from flexfa.codegen.triton import launch as launch_mod
+from flexfa.config import config
+
+
+class FakeCompiled:
+    def __init__(self) -> None:
+        self.loaded = 0
+
+    def _init_handles(self) -> None:
+        self.loaded += 1
+
+
+@pytest.fixture
+def concurrent(monkeypatch):
+    monkeypatch.setattr(launch_mod, "concurrent_enabled", lambda: True)
+    monkeypatch.setattr(launch_mod.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(launch_mod.torch.cuda, "device", lambda index: _NoContext())
+    monkeypatch.setattr(launch_mod, "_background", {})
+    with config.override(log_compiles=False):
+        yield
+
+
+class _NoContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_cold_kernel_compiles_once_then_is_ready(concurrent) -> None:
+    release = threading.Event()
+    compiled = FakeCompiled()
+    calls = []
+
+    def warm():
+        calls.append(1)
+        release.wait(10)
+        return compiled
+
+    key = ("kernel", "cuda:0", 16)
+    assert launch_mod.compiling_in_background(key, "demo", warm)  # started
+    assert launch_mod.compiling_in_background(key, "demo", warm)  # still compiling
+    release.set()
+    launch_mod._background[key].result(10)
+    assert not launch_mod.compiling_in_background(key, "demo", warm)  # ready: launch it
+    assert calls == [1], "compiled more than once"
+    assert compiled.loaded == 1, "the compiled kernel was not loaded (launcher built) off-thread"
+
+
+def test_a_launched_or_serial_kernel_is_never_deferred(concurrent, monkeypatch) -> None:
+    def warm():
+        raise AssertionError("must not compile")
+
+    key = ("kernel", "cuda:0", 32)
+    monkeypatch.setattr(launch_mod, "_launched", {key})
+    assert not launch_mod.compiling_in_background(key, "demo", warm)
+    monkeypatch.setattr(launch_mod, "_launched", set())
+    monkeypatch.setattr(launch_mod, "concurrent_enabled", lambda: False)
+    assert not launch_mod.compiling_in_background(key, "demo", warm)
+
+
+def test_a_failed_background_compile_leaves_the_launch_to_compile(concurrent, caplog) -> None:
+    def warm():
+        raise RuntimeError("ptxas died")
+
+    key = ("kernel", "cuda:0", 64)
+    assert launch_mod.compiling_in_background(key, "demo", warm)
+    future = launch_mod._background[key]
+    with pytest.raises(RuntimeError):
+        future.result(10)
+    # Ready to launch: the launch compiles it again and reports any error itself.
+    assert not launch_mod.compiling_in_background(key, "demo", warm)
+    assert key not in launch_mod._background
