@@ -217,7 +217,12 @@ else:
     run = lambda: flex(q, k, v, score_mod=score_mod, block_mask=bm)
 t0 = time.perf_counter(); o = run(); torch.cuda.synchronize(); fwd = time.perf_counter() - t0
 t0 = time.perf_counter(); o.sum().backward(); torch.cuda.synchronize(); bwd = time.perf_counter() - t0
-print(json.dumps(dict(fwd_s=fwd, bwd_s=bwd)))
+extra = {{}}
+if which == "flexfa":
+    import dataclasses
+    from flexfa.codegen.triton import workers
+    extra["workers"] = dataclasses.asdict(workers.stats)
+print(json.dumps(dict(fwd_s=fwd, bwd_s=bwd, **extra)))
 """
 
 

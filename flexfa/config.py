@@ -11,6 +11,7 @@ the environment, or use `config.override(...)`, at any point.
 | FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 0 |
 | FLEXFA_LOG_COMPILES | log every kernel compile at INFO level (long ones are always logged) | 0 |
 | FLEXFA_CONCURRENT_COMPILE | compile a cold backward's kernels on a thread pool, starting with the first forward that needs a backward | 1 |
+| FLEXFA_COMPILE_WORKERS | processes that do those background compiles (Note [Compile workers]; 0 compiles on the threads) | 4, at most the CPU count less one |
 | FLEXFA_DIRECT_LAUNCH | after a kernel's first launch, launch it without Triton's per-call argument binding (Note [Direct launches]; 0 always goes through Triton's launcher) | 1 |
 | FLEXFA_FA4_DISK_CACHE | keep FA4 kernels compiled with flexfa's generated mods in the cache directory, for later processes (Note [FA4 kernels on disk]) | 1 |
 | FLEXFA_FUSED_BLOCK_MASK | build block masks with one generated kernel: `auto` (on CUDA), `1` (also on the CPU under TRITON_INTERPRET=1, for tests), `0` (never) | auto |
@@ -102,6 +103,23 @@ class Config:
     def concurrent_compile(self) -> bool:
         """Compile independent kernels on a thread pool (Note [Concurrent compiles])."""
         return self._get("concurrent_compile", lambda: _flag("FLEXFA_CONCURRENT_COMPILE", True))
+
+    @property
+    def compile_workers(self) -> int:
+        """Processes that compile kernels in the background (Note [Compile workers])."""
+
+        def compute() -> int:
+            value = os.environ.get("FLEXFA_COMPILE_WORKERS", "").strip()
+            if value:
+                try:
+                    return max(0, int(value))
+                except ValueError:
+                    raise ValueError(
+                        f"FLEXFA_COMPILE_WORKERS must be a number of processes, got {value!r}"
+                    ) from None
+            return min(4, max(1, (os.cpu_count() or 2) - 1))
+
+        return self._get("compile_workers", compute)
 
     @property
     def direct_launch(self) -> bool:

@@ -251,7 +251,7 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
     label = f"block lists of {mask.name}"
     launch_args = (*args_, *capture_values(mask.tensors))
     warm = lambda: kernel.warmup(*launch_args, grid=(nq + nkv, P), **constexprs)
-    if compiling_in_background(fast_key, label, warm):
+    if compiling_in_background(fast_key, label, kernel, warm):
         # Note [Concurrent compiles]: the general path builds the same lists meanwhile.
         log.debug(
             "flexfa: block mask of %s takes the general path: its kernel is compiling", mask.name

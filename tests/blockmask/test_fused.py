@@ -220,7 +220,7 @@ def test_a_cold_kernel_compiles_in_the_background_while_the_general_path_builds(
     states = iter([True, False])
     seen = []
 
-    def compiling(fast_key, label, warm):
+    def compiling(fast_key, label, kernel, warm):
         seen.append(label)
         return next(states)
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from flexfa.codegen.triton import workers
 from flexfa.codegen.triton.params import KernelKey
 from flexfa.config import config
 
@@ -87,6 +88,8 @@ def run_logged(fast_key: tuple, label: str, run) -> None:
 # kernel of Note [Fused analysis], whose lists the general path also builds) is not waited for
 # at all: `compiling_in_background` starts its compile and the caller takes the other way until it
 # is ready, so a cold first call no longer waits seconds for that compile before the forward's.
+# The pool's threads have worker processes do the compiling (Note [Compile workers] in
+# workers.py), so that they do not slow the compile the caller waits for by holding the GIL.
 # FLEXFA_CONCURRENT_COMPILE=0 turns all of this off.
 _pool: concurrent.futures.ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -113,6 +116,7 @@ def _submit(cold: list[KernelLaunch]) -> list[concurrent.futures.Future]:
         _compile_and_load(
             kl.label,
             device,
+            kl.kernel,
             lambda: kl.kernel.warmup(
                 *kl.args, grid=kl.grid, num_warps=kl.num_warps, num_stages=kl.num_stages,
                 **kl.constexprs,
@@ -122,12 +126,15 @@ def _submit(cold: list[KernelLaunch]) -> list[concurrent.futures.Future]:
     return [_executor().submit(compile_one, kl) for kl in cold]
 
 
-def _compile_and_load(label: str, device: int, warm: Callable[[], Any]) -> None:
-    """Compile a kernel with `warm()` (a Triton `warmup` call) and load it for launching: its
-    module and its launcher (Note [Concurrent compiles])."""
+def _compile_and_load(label: str, device: int, kernel: Any, warm: Callable[[], Any]) -> None:
+    """Compile a kernel with `warm()` (a Triton `warmup` call), in a worker process where there are
+    workers (Note [Compile workers]), and load it for launching: its module and its launcher
+    (Note [Concurrent compiles])."""
     start = time.perf_counter()
     with torch.cuda.device(device):
+        worker_hash = workers.compile_in_worker(kernel, warm) if workers.enabled() else None
         compiled = warm()
+        workers.note_loaded(worker_hash, compiled)
         init = getattr(compiled, "_init_handles", None)
         if init is not None:
             init()
@@ -150,18 +157,20 @@ def wait_for_background() -> None:
             future.result()
 
 
-def compiling_in_background(fast_key: tuple, label: str, warm: Callable[[], Any]) -> bool:
+def compiling_in_background(
+    fast_key: tuple, label: str, kernel: Any, warm: Callable[[], Any]
+) -> bool:
     """For a kernel whose launch can wait, because the caller has another way to the same result:
     True while the kernel is cold and compiling on the thread pool (started on the first call),
     False once it is ready to launch, or when compiles are not concurrent (under TRITON_INTERPRET,
-    without CUDA, FLEXFA_CONCURRENT_COMPILE=0), where the launch compiles it. `warm()` compiles it
-    without launching (Note [Concurrent compiles])."""
+    without CUDA, FLEXFA_CONCURRENT_COMPILE=0), where the launch compiles it. `warm()` compiles
+    `kernel` without launching (Note [Concurrent compiles])."""
     if fast_key in _launched or not concurrent_enabled():
         return False
     future = _background.get(fast_key)
     if future is None:
         device = torch.cuda.current_device()
-        _background[fast_key] = _executor().submit(_compile_and_load, label, device, warm)
+        _background[fast_key] = _executor().submit(_compile_and_load, label, device, kernel, warm)
         return True
     if not future.done():
         return True

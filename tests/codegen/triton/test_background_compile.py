@@ -26,7 +26,7 @@ def concurrent(monkeypatch):
     monkeypatch.setattr(launch_mod.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch_mod.torch.cuda, "device", lambda index: _NoContext())
     monkeypatch.setattr(launch_mod, "_background", {})
-    with config.override(log_compiles=False):
+    with config.override(log_compiles=False, compile_workers=0):
         yield
 
 
@@ -49,11 +49,11 @@ def test_cold_kernel_compiles_once_then_is_ready(concurrent) -> None:
         return compiled
 
     key = ("kernel", "cuda:0", 16)
-    assert launch_mod.compiling_in_background(key, "demo", warm)  # started
-    assert launch_mod.compiling_in_background(key, "demo", warm)  # still compiling
+    assert launch_mod.compiling_in_background(key, "demo", None, warm)  # started
+    assert launch_mod.compiling_in_background(key, "demo", None, warm)  # still compiling
     release.set()
     launch_mod._background[key].result(10)
-    assert not launch_mod.compiling_in_background(key, "demo", warm)  # ready: launch it
+    assert not launch_mod.compiling_in_background(key, "demo", None, warm)  # ready: launch it
     assert calls == [1], "compiled more than once"
     assert compiled.loaded == 1, "the compiled kernel was not loaded (launcher built) off-thread"
 
@@ -64,10 +64,10 @@ def test_a_launched_or_serial_kernel_is_never_deferred(concurrent, monkeypatch) 
 
     key = ("kernel", "cuda:0", 32)
     monkeypatch.setattr(launch_mod, "_launched", {key})
-    assert not launch_mod.compiling_in_background(key, "demo", warm)
+    assert not launch_mod.compiling_in_background(key, "demo", None, warm)
     monkeypatch.setattr(launch_mod, "_launched", set())
     monkeypatch.setattr(launch_mod, "concurrent_enabled", lambda: False)
-    assert not launch_mod.compiling_in_background(key, "demo", warm)
+    assert not launch_mod.compiling_in_background(key, "demo", None, warm)
 
 
 def test_a_failed_background_compile_leaves_the_launch_to_compile(concurrent, caplog) -> None:
@@ -75,10 +75,10 @@ def test_a_failed_background_compile_leaves_the_launch_to_compile(concurrent, ca
         raise RuntimeError("ptxas died")
 
     key = ("kernel", "cuda:0", 64)
-    assert launch_mod.compiling_in_background(key, "demo", warm)
+    assert launch_mod.compiling_in_background(key, "demo", None, warm)
     future = launch_mod._background[key]
     with pytest.raises(RuntimeError):
         future.result(10)
     # Ready to launch: the launch compiles it again and reports any error itself.
-    assert not launch_mod.compiling_in_background(key, "demo", warm)
+    assert not launch_mod.compiling_in_background(key, "demo", None, warm)
     assert key not in launch_mod._background

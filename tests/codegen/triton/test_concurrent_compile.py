@@ -51,7 +51,8 @@ def fake_gpu(monkeypatch):
     monkeypatch.setattr(tlaunch.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(tlaunch.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(tlaunch.torch.cuda, "device", lambda _: contextlib.nullcontext())
-    with flexfa.config.override(triton_interpret=False):
+    # Threads only: compile workers (Note [Compile workers]) would need real Triton kernels.
+    with flexfa.config.override(triton_interpret=False, compile_workers=0):
         yield
 
 

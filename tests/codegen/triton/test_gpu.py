@@ -193,3 +193,59 @@ def test_cold_block_mask_kernel_compiles_in_the_background(tmp_path) -> None:
     assert "its kernel is compiling" in cold, log
     assert "kernel compiled concurrently" in cold, log
     assert "block lists of" in warm and "general path" not in warm, log
+
+
+_COLD_TRAINING_STEP = r"""
+import dataclasses, json
+import torch
+import flexfa
+from flexfa.codegen.triton import launch, workers
+
+q, k, v = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+           for _ in range(3))
+slopes = torch.rand(4, device="cuda")
+alibi = lambda s, b, h, i, j: s + slopes[h] * (j - i)
+out = flexfa.attention(q, k, v, score_mod=alibi, block_mask=flexfa.masks.causal, backend="triton")
+out.float().square().sum().backward()
+launch.wait_for_background()
+grads = [t.grad.float() for t in (q, k, v)]
+with flexfa.config.override(concurrent_compile=False):
+    for t in (q, k, v):
+        t.grad = None
+    again = flexfa.attention(q, k, v, score_mod=alibi, block_mask=flexfa.masks.causal,
+                             backend="triton")
+    again.float().square().sum().backward()
+same = bool(torch.equal(out, again)) and all(
+    torch.equal(g, t.grad.float()) for g, t in zip(grads, (q, k, v)))
+print(json.dumps(dict(same=same, stats=dataclasses.asdict(workers.stats))))
+"""
+
+
+def test_compile_workers_compile_what_a_cold_step_loads(tmp_path) -> None:
+    """A cold training step's background compiles go to worker processes, and the kernels the
+    process then loads are the workers' (same Triton hash: nothing compiled twice; Note [Compile
+    workers]); results are those of a second, warm step."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(
+        os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "flexfa"), TRITON_CACHE_DIR=str(tmp_path / "t")
+    )
+    env.pop("FLEXFA_COMPILE_WORKERS", None)
+    res = subprocess.run(
+        [sys.executable, "-c", _COLD_TRAINING_STEP],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["same"], got
+    stats = got["stats"]
+    # The backward's three kernels (and the block-mask kernel) went to workers and were reused.
+    assert stats["jobs"] >= 3, stats
+    assert stats["reused"] == stats["jobs"] and stats["mismatched"] == 0, stats
+    assert stats["failed"] == 0, stats
