@@ -40,16 +40,11 @@ DEV, DT = "cuda", torch.bfloat16
 B, HQ, HKV, D = 8, 32, 8, 128
 
 
-# Configs of --sweep (the defaults for this shape: 4 warps, 5 stages, 8 splits, V converted after
-# the byte-wise read; "split": Note [fp8 V through a 16-bit copy]).
-SWEEP = (
-    [
-        {"decode_num_warps": w, "decode_num_stages": st}
-        for w, st in ((8, 3), (4, 2), (4, 4), (4, 5), (8, 4), (2, 3))
-    ]
-    + [{"decode_splits": sp} for sp in (4, 16, 32)]
-    + [{"decode_fp8_v": "split"}]
-)
+# Configs of --sweep (the defaults for this shape: 128-key tiles, 4 warps, 5 stages, 8 splits).
+SWEEP = [
+    {"decode_num_warps": w, "decode_num_stages": st}
+    for w, st in ((4, 4), (4, 6), (4, 7), (8, 5), (8, 6))
+] + [{"decode_splits": sp, "decode_num_stages": st} for sp in (4, 6, 16) for st in (5, 6)]
 
 
 def bench(fn, rep: int) -> float:

@@ -215,11 +215,6 @@ _COMPILE_CHILD = textwrap.dedent(
         ptx = compile_launch(launches[0], 90).asm["ptx"]
         result["decode " + name] = {"sm90": ".target sm_90" in ptx, "block_n": launches[0].constexprs["BLOCK_N"],
                                     "cp_async": "cp.async" in ptx}
-        spec = build_spec(q, k, k, lambda s, b, h, i, j: s * scale[h], None, enable_gqa=True,
-                          kernel_options={"decode_fp8_v": "split"})
-        launches = decode.launches(spec, q, k, k, out, lse, capability=(9, 0), force_compiled=True)
-        ptx = compile_launch(launches[0], 90).asm["ptx"]
-        result["split V byte loads " + name] = ptx.count("ld.shared.b8")
         q = torch.empty(1, 4, 256, 64, dtype=torch.bfloat16)
         k = torch.empty(1, 2, 256, 64, dtype=kd)
         kernels = compile_call(
@@ -245,8 +240,6 @@ def test_fp8_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     )
     assert res.returncode == 0, res.stderr[-3000:]
     kernels = json.loads(res.stdout.strip().splitlines()[-1])
-    # Note [fp8 V through a 16-bit copy]: no byte-wise shared-memory reads of V
-    assert kernels.pop("split V byte loads e4m3fn") == kernels.pop("split V byte loads e5m2") == 0
     assert set(kernels) == {"decode e4m3fn", "fwd e4m3fn", "decode e5m2", "fwd e5m2"}
     for name, info in kernels.items():
         assert info["sm90"], name
@@ -256,31 +249,10 @@ def test_fp8_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     assert kernels["decode e4m3fn"]["block_n"] == 128  # Note [Decode configs]: fp8 tiles
 
 
-@pytest.mark.parametrize("v_dtype", [E4M3, E5M2])
-@pytest.mark.parametrize("len_kv", [32, 37])
-@pytest.mark.parametrize("len_q", [1, 4])
-def test_fp8_v_split_before_the_product(v_dtype, len_kv, len_q, decode_calls):
-    """Note [fp8 V through a 16-bit copy]: the opt-in conversion of V before p @ V, over whole and
-    ragged tiles, with 1 and 2 splits."""
-    q, k, v, k_scale = _inputs(2, 8, 2, len_q, len_kv, 16, torch.float16, E4M3, v_dtype)
-    score_mod, mask_mod = _per_head(k_scale), _decode_causal(len_q, len_kv)
-    options = dict(INTERPRETER_TILES, decode_fp8_v="split", decode_splits=len_q // 2 + 1)
-    out, lse = flexfa.attention(
-        q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True, backend="triton",
-        kernel_options=options,
-    )  # fmt: skip
-    _check(out, lse, q, k, v, score_mod, mask_mod, f"split V, Lq={len_q}", enable_gqa=True)
-    assert len(decode_calls) == 1
-    with pytest.raises(ValueError, match="decode_fp8_v"):
-        flexfa.attention(q, k, v, backend="triton", enable_gqa=True,
-                         kernel_options={"decode_fp8_v": "transposed"})  # fmt: skip
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("len_q", [1, 4, 300])
-@pytest.mark.parametrize("options", [None, {"decode_fp8_v": "split"}], ids=["direct", "split"])
-def test_fp8_kv_on_gpu(kv_dtype, len_q, options, decode_calls):
+def test_fp8_kv_on_gpu(kv_dtype, len_q, decode_calls):
     """Compiled kernels, bf16 q, fp8 K/V, D=128, GQA 4, a per-head K scale and a decode-causal
     mask at a ragged length; Lq=1 and 4 take the decode path, 300 the attention kernel."""
     dev = "cuda"
@@ -290,9 +262,7 @@ def test_fp8_kv_on_gpu(kv_dtype, len_q, options, decode_calls):
     )
     score_mod, mask_mod = _per_head(k_scale), _decode_causal(len_q, Lkv)
     with torch.no_grad():
-        out, lse = flexfa.attention(
-            q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True, kernel_options=options
-        )
+        out, lse = flexfa.attention(q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True)
     _check(out, lse, q, k, v, score_mod, mask_mod, f"Lq={len_q} {kv_dtype}", enable_gqa=True)
     assert len(decode_calls) == int(len_q <= 64)
 

@@ -56,23 +56,7 @@ class DecodeConfig:
     num_splits: int  # programs per (b, KV head, row tile)
     num_warps: int = 4
     num_stages: int = 3
-    fused_merge: bool = False  # Note [fp8 V through a 16-bit copy]
-    # The second product, p @ V, reduces over keys, and V's contiguous dim is the head dim: its B
-    # operand must be read transposed from shared memory. For 16-bit V that is `ldmatrix.trans`; for
-    # fp8 V sm_90 has no transposed 8-bit `ldmatrix`, and Triton reads the tile one byte at a time
-    # (in the PTX of a 128-key tile: 128 `ld.shared.b8`, 64 `shl` and 64 `or` per thread and step, and
-    # V copied into shared memory in 4-byte pieces; `python bench/fp8_ptx.py`), which keeps the fp8
-    # decode from the memory limit (docs/performance.md). kernel_options {"decode_fp8_v": "split"}
-    # converts V in registers first: the tile is reshaped to (keys, head dim / 2, 2), split into its
-    # even and odd columns, each converted and joined back. Triton cannot carry the product's operand
-    # layout through the split, so it reads the fp8 tile with 16-byte loads, converts it, and stages
-    # the float16 tile in shared memory for `ldmatrix.trans`: in the same PTX, no byte loads, V copied
-    # in 16-byte pieces, 18 vector loads and stores and 16 `ldmatrix.trans`, at the price of 128 `prmt`
-    # and 160 byte extractions. Correct under the interpreter and compiled for sm_90; it has not run on
-    # a GPU yet, so it is opt-in until it is measured.
-    #
-    # Note [Fused merge]
-    split_fp8_v: bool = False  # Note [fp8 V through a 16-bit copy]
+    fused_merge: bool = False  # Note [Fused merge]
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m)
@@ -223,11 +207,6 @@ def default_config(
         raise ValueError(
             f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
         )
-    fp8_v = opts.get("decode_fp8_v", "direct")
-    if fp8_v not in ("direct", "split"):
-        raise ValueError(
-            f"kernel_options['decode_fp8_v'] must be 'direct' or 'split', got {fp8_v!r}"
-        )
     return DecodeConfig(
         block_m=block_m,
         block_n=block_n,
@@ -235,7 +214,6 @@ def default_config(
         num_warps=int(opts.get("decode_num_warps", warps)),
         num_stages=int(opts.get("decode_num_stages", stages)),
         fused_merge=merge == "fused",
-        split_fp8_v=fp8_v == "split" and spec.v_dtype.itemsize == 1,
     )
 
 
@@ -412,7 +390,6 @@ def _prepare(
         FUSED_MERGE=cfg.fused_merge and splits > 1,
         INPUT_PRECISION=plan.precision,
         F16_DOT=spec.kv_fp8 and spec.dtype == torch.bfloat16,  # Note [fp8 K/V in float16 dots]
-        SPLIT_FP8_V=cfg.split_fp8_v,  # Note [fp8 V through a 16-bit copy]
     )
     merge_constexprs = dict(
         HEAD_DIM_V=spec.head_dim_v,
