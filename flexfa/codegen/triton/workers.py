@@ -122,6 +122,7 @@ class _Pool:
         self.all: list[_Worker] = []
         self.failures = 0
         self.lock = threading.Lock()
+        self.pid = os.getpid()
         for _ in range(size):
             self._start()
 
@@ -176,6 +177,8 @@ def _get_pool() -> _Pool | None:
     if _given_up:
         return None
     with _pool_lock:
+        if _pool is not None and _pool.pid != os.getpid():
+            _pool = None  # a forked child: the parent's workers and pipes are the parent's
         if _pool is None:
             try:
                 _pool = _Pool(config.compile_workers)
