@@ -6,6 +6,8 @@
   partial tiles with two pairs, refinement re-analyzes sub-rectangles, `exact` / `exact_triton` evaluate the
   rest. `grid` holds the tile geometry they share. On CUDA, `fused` (with `fused_plan` and
   `fused_emit`) does the analysis, witnesses and block lists in one generated kernel.
+- `packed`: the BlockMask of a packed call's mask from its offsets (flexfa/varlen.py), which
+  `create_block_mask` tries first (Note [Block mask builders]).
 - `bind`: building and caching a BlockMask when `flexfa.attention` receives a mask_mod.
 - `interop` (torch's BlockMask, user block lists), `transform` (indexing, resize, & and |) and
   `render` (text and PNG pictures).

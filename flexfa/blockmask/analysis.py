@@ -429,13 +429,17 @@ class Analyzer:
         may_true = result.may_true.expand(shape)
         may_false = result.may_false.expand(shape)
         both = result.both.expand(shape)
-        safe = torch.ones(shape, dtype=torch.bool, device=device)
-        for flag in oob_flags:
-            safe = safe & ~flag.expand(shape)
         empty = ~may_true
-        full = ~may_false & safe & may_true
-        partial = both & safe & ~empty & ~full
-        return Analysis(full=full, empty=empty, partial=partial, may_read_out_of_bounds=~safe)
+        full = may_true & ~may_false
+        partial = both & may_true & may_false
+        if oob_flags:
+            risky = oob_flags[0].expand(shape)
+            for flag in oob_flags[1:]:
+                risky = risky | flag.expand(shape)
+            full, partial = full & ~risky, partial & ~risky
+        else:
+            risky = torch.zeros((), dtype=torch.bool, device=device).expand(shape)
+        return Analysis(full=full, empty=empty, partial=partial, may_read_out_of_bounds=risky)
 
 
 def analyze(mask: TracedMod, grid: TileGrid) -> Analysis:

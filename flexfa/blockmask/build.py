@@ -190,6 +190,15 @@ def classify(mask: TracedMod, grid: TileGrid, *, analysis: bool = True) -> Class
     return Classification(states, analytic, d.witnessed, d.refined, d.evaluated)
 
 
+# Note [Block mask builders]
+# A mask_mod that knows its own structure better than the analysis can carry a builder as its
+# attribute `__flexfa_block_mask__(traced, grid) -> BlockMask | None`; `create_block_mask` (and so
+# the block-mask cache) tries it before the fused and general paths, which build the BlockMask
+# when it returns None. The builder must give what the general path would, or more partial tiles:
+# never a full tile with an excluded pair nor an empty tile with an allowed one. The mask of a
+# packed call is the one such mask (Note [Packed block masks] in flexfa/varlen.py).
+
+
 def _use_fused(device: torch.device) -> bool:
     """Whether to try the fused kernel (Note [Fused analysis] in flexfa/blockmask/fused.py)."""
     mode = config.fused_block_mask
@@ -278,6 +287,11 @@ def create_block_mask(
     batch = B if (B is not None and "b" in traced.variables) else 1
     heads = H if (H is not None and "h" in traced.variables) else 1
     grid = TileGrid(batch, heads, Q_LEN, KV_LEN, block_size, device)
+    own = getattr(traced.fn, "__flexfa_block_mask__", None)
+    if own is not None:  # Note [Block mask builders]
+        bm = own(traced, grid)
+        if bm is not None:
+            return bm
     if _use_fused(device):
         from flexfa.blockmask import fused
 

@@ -111,7 +111,8 @@ class TileSet:
 
     Every rectangle is non-empty (`q_lo <= q_hi`, `kv_lo <= kv_hi`). `grid` is set when the set
     is exactly the tiles of that grid, in its layout (which lets ranges along q_idx or kv_idx be
-    computed block by block).
+    computed block by block). `extent`, when set, bounds every rectangle's (rows, columns) on the
+    host, so that range queries need not read the longest from the device.
     """
 
     b: torch.Tensor
@@ -122,6 +123,7 @@ class TileSet:
     kv_hi: torch.Tensor
     shape: tuple[int, ...]
     grid: TileGrid | None = None
+    extent: tuple[int, int] | None = None
 
     @staticmethod
     @functools.lru_cache(maxsize=32)

@@ -122,7 +122,7 @@ class _Line:
         env = dict(_line_env(sig, grid))
         self.evaluator = Evaluator(env, mask.tensors, device=dev)
         self._tables: dict[tuple[int, str], _RangeTable | torch.Tensor] = {}
-        self._keep: list[Node] = []
+        self._keep: dict[int, Node] = {}  # keeps the keys of `_tables` alive
 
     def positions(self, ts: TileSet) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The range [lo, hi] of u-positions of each rectangle (None: u does not vary)."""
@@ -135,11 +135,13 @@ class _Line:
             return ts.q_lo - ts.kv_hi + off, ts.q_hi - ts.kv_lo + off
         return None
 
-    def _group(self, ts: TileSet, gb: int, gh: int) -> torch.Tensor:
-        """Row of a [gb * gh, U] table for each rectangle's (b, h)."""
-        b = ts.b if gb > 1 else torch.zeros_like(ts.b)
-        h = ts.h if gh > 1 else torch.zeros_like(ts.h)
-        return b * gh + h
+    def _group(self, ts: TileSet, gb: int, gh: int) -> torch.Tensor | int:
+        """Row of a [gb * gh, U] table for each rectangle's (b, h) (0 for a table of one row)."""
+        if gb > 1 and gh > 1:
+            return ts.b * gh + ts.h
+        if gb > 1:
+            return ts.b
+        return ts.h if gh > 1 else 0
 
     def _blocks(self, ts: TileSet, values: torch.Tensor, pad: str) -> torch.Tensor | None:
         """For the tiles of a whole grid and a Q or K line: the values cut into the grid's
@@ -179,10 +181,15 @@ class _Line:
         if pos is None or gu == 1:
             return for_min.reshape(-1)[group], for_max.reshape(-1)[group]
         lo, hi = pos
+        if ts.extent is not None:  # known on the host: no synchronization
+            rows, cols = ts.extent
+            longest = {Sig.Q: rows, Sig.K: cols, Sig.D: rows + cols - 1}[self.sig]
+        else:
+            longest = int((hi - lo).max()) + 1
         table = self._tables.get(key)
-        if table is None or (1 << table.levels) <= int((hi - lo).max()) + 1:
+        if table is None or (1 << table.levels) <= longest:
             # Tiles span at most max_len values; other rectangles may be longer.
-            max_len = max(self.max_len, int((hi - lo).max()) + 1)
+            max_len = max(self.max_len, longest)
             table = _RangeTable(for_min.reshape(gb * gh, gu), for_max.reshape(gb * gh, gu), max_len)
             self._tables[key] = table
         return table.query(group, lo, hi)
@@ -204,28 +211,33 @@ class _Line:
         group = self._group(ts, gb, gh)
         pos = self.positions(ts)
         if pos is None or gu == 1:
-            return flags.reshape(-1)[group].to(torch.int64), torch.ones_like(group)
+            one = torch.ones((), dtype=torch.int64, device=flags.device)
+            return flags.reshape(-1)[group].to(torch.int64), one
         lo, hi = pos
-        hi = hi + hi_shift
         prefix = self._tables.get(key)
         if prefix is None:
             rows = flags.reshape(gb * gh, gu)
             zero = torch.zeros(gb * gh, 1, dtype=torch.int64, device=flags.device)
-            prefix = torch.cat([zero, torch.cumsum(rows, dim=1)], dim=1)
+            prefix = torch.cat([zero, torch.cumsum(rows, dim=1, dtype=torch.int64)], dim=1)
             self._tables[key] = prefix
-        base = group * (gu + 1)
-        count = prefix.take(base + hi + 1) - prefix.take(base + lo)
-        return count, hi - lo + 1
+        # Counted over [lo, hi + hi_shift]: prefix[hi + hi_shift + 1] - prefix[lo].
+        end = hi + (hi_shift + 1)
+        start = lo
+        if not isinstance(group, int):
+            base = group * (gu + 1)
+            end, start = end + base, start + base
+        count = prefix.take(end) - prefix.take(start)
+        return count, hi - lo + (hi_shift + 1)
 
     def value(self, node: Node) -> torch.Tensor:
-        self._keep.append(node)
+        self._keep[id(node)] = node
         return _as3d(self.evaluator(node))
 
     def abstract(self, node: Node, ts: TileSet) -> Abstract:
         value = self.value(node)
         key = id(node)
         if node.dtype.is_bool:
-            true, length = self.counts((key, "v"), value.to(torch.int64), ts)
+            true, length = self.counts((key, "v"), value, ts)
             may_true, may_false = true > 0, true < length
             return Truth(may_true, may_false, may_true & may_false)
         if node.dtype.is_int:

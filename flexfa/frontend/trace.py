@@ -355,6 +355,13 @@ def _check_arity(fn: Callable[..., Any], kind: ModKind, params: tuple[str, ...])
 
 _BAKED = object()  # cache entry: this mod's floats could not be lifted; look up key + values
 
+# Note [Mods that bring their trace]
+# A function flexfa makes can carry its own way of being traced, as its attribute
+# `__flexfa_trace__(fn, kind, device) -> TracedMod`, which `trace` calls instead of tracing it: it
+# must return what tracing `fn` would, usually a cached trace of the same code with other tensors
+# bound to its captures (`TracedMod.tensors`). The mods of a packed call are the ones that do
+# (Note [Packed batches without retracing] in flexfa/varlen.py).
+
 
 def trace(
     fn: Callable[..., Any], kind: ModKind, *, device: torch.device | None = None
@@ -365,6 +372,9 @@ def trace(
     score_mod's floats are lifted (Note [Lifted scalars] in flexfa/ir/nodes.py), so a new value
     of one reuses the trace with other `scalar_values`.
     """
+    own = getattr(fn, "__flexfa_trace__", None)
+    if own is not None:  # Note [Mods that bring their trace]
+        return own(fn, kind, device)
     lift = kind == "score_mod"
     key, values = traces.key(fn, kind, device, lift=lift)
     hit = traces.get(key)

@@ -7,10 +7,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 import flexfa
+from flexfa.blockmask import packed
 from flexfa.mods import bind_heads
 from flexfa.reference import reference_attention
+from tests.blockmask.strategies import examples
 
 LENS_Q = [5, 0, 1, 9, 3]
 LENS_KV = [7, 3, 1, 9, 0]
@@ -30,12 +34,12 @@ def _inputs(dtype, seed=0, heads_q=4, heads_kv=2, e=16):
     return randn(1, heads_q, tq, e), randn(1, heads_kv, tk, e), randn(1, heads_kv, tk, e)
 
 
-def _reference(q, k, v, score_mod, mask_mod):
+def _reference(q, k, v, score_mod, mask_mod, lens_q=LENS_Q, lens_kv=LENS_KV):
     """Each sequence on its own (mods see b = its index), concatenated; differentiable."""
-    cq, ck = _offsets(LENS_Q).tolist(), _offsets(LENS_KV).tolist()
+    cq, ck = _offsets(lens_q).tolist(), _offsets(lens_kv).tolist()
     score_mod = bind_heads(score_mod, q.shape[1])
     outs, lses = [], []
-    for s in range(len(LENS_Q)):
+    for s in range(len(lens_q)):
         qs = q[:, :, cq[s] : cq[s + 1]]
         ks, vs = k[:, :, ck[s] : ck[s + 1]], v[:, :, ck[s] : ck[s + 1]]
         if qs.shape[2] == 0:
@@ -136,3 +140,45 @@ def test_explain_backend_takes_a_packed_call():
     assert text.splitlines()[-1] == "auto: tiled", text
     with pytest.raises(ValueError, match="both cu_seqlens_q and cu_seqlens_kv"):
         flexfa.explain_backend(q, q, q, cu_seqlens_q=cu)
+
+
+_LENGTHS = st.one_of(st.just(0), st.just(1), st.integers(0, 300))
+_MASKS = {
+    "none": None,
+    "causal": flexfa.masks.causal,
+    "sliding_window(4)": flexfa.masks.sliding_window(4),
+    "prefix_lm(3)": flexfa.masks.prefix_lm(3),
+    "key_padding": key_padding,
+}
+
+
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(_LENGTHS, _LENGTHS), min_size=1, max_size=5),
+    st.booleans(),
+    st.sampled_from(sorted(_MASKS)),
+)
+def test_packed_block_masks_from_offsets_give_the_reference(lens, same, name):
+    """Random packings (empty and length-1 sequences, queries and keys of other lengths or not)
+    whose BlockMask the packed builder makes (Note [Tiles of a packed mask]), on the tiled
+    backend, against each sequence computed alone."""
+    lens_q = [a for a, _ in lens]
+    lens_kv = lens_q if same else [b for _, b in lens]
+    assume(sum(lens_q) > 0 and sum(lens_kv) > 0)
+    mask_mod = _MASKS[name]
+    if mask_mod is key_padding:
+        assume(len(lens_q) <= len(KEEP))
+    g = torch.Generator().manual_seed(len(lens_q))
+    q = torch.randn(1, 2, sum(lens_q), 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, sum(lens_kv), 8, generator=g, dtype=torch.float64) for _ in "kv")
+    cu_q = _offsets(lens_q)
+    cu_kv = cu_q if same else _offsets(lens_kv)
+    before = packed.built["packed"]
+    out, lse = flexfa.attention(
+        q, k, v, block_mask=mask_mod, return_lse=True, backend="tiled",
+        cu_seqlens_q=cu_q, cu_seqlens_kv=cu_kv,
+    )  # fmt: skip
+    assert packed.built["packed"] == before + 1  # built from the offsets, not by the analysis
+    ref, ref_lse = _reference(q, k, v, None, mask_mod, lens_q, lens_kv)
+    torch.testing.assert_close(out, ref, atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-7, rtol=1e-6)

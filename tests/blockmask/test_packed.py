@@ -1,0 +1,242 @@
+"""The BlockMask of a packed mask built from the offsets (Note [Tiles of a packed mask]) against the
+dense oracle and the general path: random sequence lengths (0 and 1 included, queries and keys
+alike or not), block sizes and inner masks; the fast builder's use, operations and syncs; the
+traces of packed mods (Note [Packed batches without retracing])."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import flexfa
+from flexfa import masks as fm
+from flexfa.blockmask import packed
+from flexfa.blockmask.block_mask import BlockSize, TileState
+from flexfa.blockmask.build import classify
+from flexfa.blockmask.grid import TileGrid
+from flexfa.frontend.cache import traces
+from flexfa.frontend.trace import _trace, trace, trace_mask_mod
+from flexfa.varlen import packed_mods, packing
+from tests.blockmask import oracle
+from tests.blockmask.strategies import MAX_H, MaskExpr, examples, masks
+
+_SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_CPU = torch.device("cpu")
+
+#: Inner masks the analysis decides on every rectangle, each allowing (0, 0) of every sequence:
+#: with sequences of at least one query and one key, the fast path is then the oracle exactly.
+LIBRARY = {
+    "none": None,
+    "causal": fm.causal,
+    "sliding_window(5)": fm.sliding_window(5),
+    "sliding_window(3, causal=False)": fm.sliding_window(3, causal=False),
+    "prefix_lm(4)": fm.prefix_lm(4),
+    "chunked(6)": fm.chunked(6),
+    "dilated_sliding_window(9, 3)": fm.dilated_sliding_window(9, 3),
+    "noop_mask": fm.noop_mask,
+}
+
+
+def _offsets(lens) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()],
+                        dtype=torch.int32)  # fmt: skip
+
+
+def _build(inner, lens_q, lens_kv, heads=1, block=16):
+    """(the packed mask_mod, its BlockMask, whether the fast builder made it)."""
+    total_q, total_kv = sum(lens_q), sum(lens_kv)
+    cu_q = _offsets(lens_q)
+    cu_kv = cu_q if list(lens_kv) == list(lens_q) else _offsets(lens_kv)
+    pack = packing(cu_q, cu_kv, total_q, total_kv, _CPU)
+    _, mask = packed_mods(None, inner, pack, heads)
+    H = heads if "h" in trace_mask_mod(mask).variables else None
+    before = packed.built["packed"]
+    bm = flexfa.create_block_mask(mask, 1, H, total_q, total_kv, BLOCK_SIZE=block)
+    return mask, bm, packed.built["packed"] > before
+
+
+def _check(inner, lens_q, lens_kv, heads, block, exact: bool) -> bool:
+    mask, bm, fast = _build(inner, lens_q, lens_kv, heads, block)
+    oracle.check_invariants(bm)
+    H = bm.heads
+    want = oracle.expected_states(mask, 1, H, sum(lens_q), sum(lens_kv), BlockSize.of(block))
+    got = oracle.states_of(bm, 1, H)
+    full, empty = int(TileState.FULL), int(TileState.EMPTY)
+    where = f"lens_q={lens_q} lens_kv={lens_kv} block={block} heads={heads} fast={fast}"
+    # Never a full tile with an excluded pair, never an empty tile with an allowed pair.
+    wrong = ((got == full) & (want != full)) | ((got == empty) & (want != empty))
+    assert not bool(wrong.any()), f"{where}\n{oracle.describe_mismatch(got, want)}"
+    if exact or not fast:  # the general path is exact
+        assert torch.equal(got, want), f"{where}\n{oracle.describe_mismatch(got, want)}"
+    return fast
+
+
+lengths = st.one_of(st.just(0), st.just(1), st.integers(0, 70))
+blocks = st.sampled_from([1, 3, 16, (8, 16), (16, 4), (24, 40), 64])
+
+
+@st.composite
+def packings(draw, min_len: int = 0):
+    n = draw(st.integers(1, 6))
+    each = lengths.filter(lambda x: x >= min_len)
+    lens_q = draw(st.lists(each, min_size=n, max_size=n))
+    lens_kv = draw(st.one_of(st.just(lens_q), st.lists(each, min_size=n, max_size=n)))
+    assume(sum(lens_q) > 0 and sum(lens_kv) > 0)
+    return lens_q, lens_kv
+
+
+@settings(max_examples=examples(120), **_SETTINGS)
+@given(packings(), st.sampled_from(sorted(LIBRARY)), blocks)
+def test_library_masks_sound_with_empty_sequences(lens, name, block):
+    lens_q, lens_kv = lens
+    assert _check(LIBRARY[name], lens_q, lens_kv, 1, block, exact=False)
+
+
+@settings(max_examples=examples(120), **_SETTINGS)
+@given(packings(min_len=1), st.sampled_from(sorted(LIBRARY)), blocks)
+def test_library_masks_exact(lens, name, block):
+    lens_q, lens_kv = lens
+    assert _check(LIBRARY[name], lens_q, lens_kv, 1, block, exact=True)
+
+
+@st.composite
+def random_inner(draw, lens_q, lens_kv) -> MaskExpr:
+    """A random mask of `tests/blockmask/strategies.py` (tables for the longest sequence), with b
+    folded onto the two batch elements its tables have."""
+    inner = draw(masks(max(lens_q), max(lens_kv), max_leaves=3))
+    fn = inner.fn
+    return MaskExpr(lambda b, h, q, kv: fn(b % 2, h, q, kv), f"{inner.text} at b % 2")
+
+
+@settings(max_examples=examples(150), **_SETTINGS)
+@given(st.data(), packings(), blocks, st.sampled_from([1, MAX_H]))
+def test_random_inner_masks_sound(data, lens, block, heads):
+    lens_q, lens_kv = lens
+    assume(max(lens_q) > 0 and max(lens_kv) > 0)
+    inner = data.draw(random_inner(lens_q, lens_kv), label="inner")
+    _check(inner.fn, lens_q, lens_kv, heads, block, exact=False)
+
+
+def test_matches_the_general_path_on_the_benchmark_shape():
+    """The sequence lengths of bench/varlen.py, scaled down 16x, against `classify`."""
+    lens = [32, 512, 64, 187, 375, 43, 256, 162]
+    for inner in (fm.causal, fm.sliding_window(40), fm.prefix_lm(20), None):
+        mask, bm, fast = _build(inner, lens, lens, block=16)
+        assert fast
+        grid = TileGrid(1, 1, sum(lens), sum(lens), BlockSize(16, 16), _CPU)
+        want = classify(trace_mask_mod(mask), grid).states
+        assert torch.equal(bm.tile_states(), want), oracle.describe_mismatch(bm.tile_states(), want)
+
+
+class _Ops(TorchDispatchMode):
+    """Counts torch operations (views aside) and device-to-host reads."""
+
+    _VIEWS = frozenset(
+        {"select", "slice", "unsqueeze", "expand", "view", "transpose", "alias", "t"}
+    )
+    _SYNCS = frozenset(
+        {"_local_scalar_dense", "nonzero", "item", "is_nonzero", "_unique2", "equal"}
+    )
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name not in self._VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def syncs(self) -> list[str]:
+        return [n for n in self.ops if n in self._SYNCS]
+
+
+def test_fast_path_is_used_without_syncs():
+    """A regression to the general path (witnesses, refinement: ~1700 operations and a dozen
+    syncs for 8 sequences) fails here: the builder is used, with a bounded number of vectorized
+    operations and no device-to-host read."""
+    lens = [32, 512, 64, 187, 375, 43, 256, 162]
+    cu = _offsets(lens)
+    for inner in (fm.causal, fm.sliding_window(64), fm.prefix_lm(16), None):
+        pack = packing(cu.clone(), cu.clone(), sum(lens), sum(lens), _CPU)
+        _, mask = packed_mods(None, inner, pack, 16)
+        flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens))  # warm the caches
+        pack = packing(cu.clone(), cu.clone(), sum(lens), sum(lens), _CPU)
+        _, mask = packed_mods(None, inner, pack, 16)
+        before = packed.built["packed"]
+        with _Ops() as seen:
+            flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens))
+        assert packed.built["packed"] == before + 1
+        assert not seen.syncs, seen.ops
+        assert sum(seen.ops.values()) <= 80, seen.ops
+
+
+def test_masks_the_analysis_cannot_decide_take_the_general_path():
+    keep = torch.tensor([[True, False, True], [False, True, True]])
+
+    def table(b, h, q_idx, kv_idx):
+        return keep[q_idx % 2, kv_idx % 3] | (q_idx == kv_idx)
+
+    lens = [40, 7, 0, 33]
+    assert not _check(table, lens, lens, 1, 8, exact=True)
+
+
+def test_masks_reading_tensors_are_checked():
+    keep = torch.tensor([3, 0, 50, 1], dtype=torch.int32)
+
+    def key_padding(b, h, q_idx, kv_idx):
+        return kv_idx < keep[b]
+
+    assert _check(key_padding, [9, 4, 60, 2], [12, 5, 60, 1], 1, 8, exact=True)
+
+
+def test_masks_reading_heads():
+    windows = torch.tensor([1, 4, 30], dtype=torch.int32)
+
+    def head_window(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx < windows[h])
+
+    assert _check(head_window, [50, 1, 3, 20], [50, 1, 3, 20], 3, (8, 4), exact=True)
+
+
+def test_rebound_tensors_take_the_general_path():
+    """torch.compile binds other tensors to a described trace: the builder, which knows its own
+    packing only, must not answer for them."""
+    lens, other = [20, 11, 9], [5, 30, 5]
+    mask, _, _ = _build(fm.causal, lens, lens, block=8)
+    mask_other, _, _ = _build(fm.causal, other, other, block=8)
+    traced = trace_mask_mod(mask)
+    rebound = traced.with_tensors(trace_mask_mod(mask_other).tensors)
+    before = packed.built["packed"]
+    bm = flexfa.create_block_mask(rebound, 1, None, 40, 40, BLOCK_SIZE=8)
+    assert packed.built["packed"] == before
+    want = oracle.expected_states(mask_other, 1, 1, 40, 40, BlockSize(8, 8))
+    assert torch.equal(bm.tile_states(), want)
+
+
+@pytest.mark.parametrize(
+    "inner", [None, fm.causal, fm.sliding_window(7)], ids=["none", "causal", "sliding_window"]
+)
+def test_packed_traces_equal_a_trace_and_are_not_retraced(inner):
+    lens = [5, 0, 9, 1]
+    cu = _offsets(lens)
+    pack = packing(cu, cu, 15, 15, _CPU)
+    score, mask = packed_mods(flexfa.mods.alibi, inner, pack, 4)
+    for fn, kind in ((mask, "mask_mod"), (score, "score_mod")):
+        hooked, plain = trace(fn, kind), _trace(fn, kind, None, kind == "score_mod")
+        assert hooked.key == plain.key and hooked.fn is fn
+        assert all(a is b for a, b in zip(hooked.tensors, plain.tensors, strict=True))
+    misses = traces.misses
+    for _ in range(3):  # new batches: new tensors, the same traces
+        pack = packing(cu.clone(), cu.clone(), 15, 15, _CPU)
+        score, mask = packed_mods(flexfa.mods.alibi, inner, pack, 4)
+        assert trace_mask_mod(mask).tensors[0] is pack.seq_q
+        trace(score, "score_mod")
+    assert traces.misses == misses
