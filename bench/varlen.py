@@ -5,7 +5,10 @@ Shape: H=16, D=128, bf16, the lengths below (26 124 tokens). Every system in one
 forward+backward 3.5× that):
 
   flexfa   flexfa.attention(q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu), the
-           backend `--flexfa-backend` picks (default "auto")
+           backend `--flexfa-backend` picks (default "auto"); on fa4 that is FA4's varlen kernels
+           (Note [Packed calls on FA4's varlen path])
+  flexfa_concat  the same call as one call on the concatenation with a document mask, the path
+           fa4 took before (kernel_options={"block_sparse": True}; fa4 only)
   fa4      FlashAttention-4's flash_attn_varlen_func(..., causal=True), if installed
   flex     torch.compile(flex_attention) with the equivalent document-causal BlockMask (built
            once, outside the timing)
@@ -14,7 +17,10 @@ It also times what a new packed batch costs flexfa before its kernels run: the p
 offsets and the BlockMask of the packed causal mask (fresh offsets tensors each time, so nothing
 is cached; the goal is <= 0.2 ms), and torch's `create_block_mask` of the same mask.
 
-    python bench/varlen.py [--systems flexfa,fa4,flex] [--flexfa-backend auto] [--rep 100]
+    python bench/varlen.py [--systems flexfa,flexfa_concat,fa4,flex] [--flexfa-backend auto]
+                           [--rep 100]
+    python bench/varlen.py --systems none            # the block-mask timings alone
+    python bench/varlen.py --device cpu              # flexfa's block-mask timing on the CPU
 """
 
 # ruff: noqa: B023
@@ -36,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexfa
 from flexfa.varlen import packed_mods, packing
 
-H, D, DT, DEV = 16, 128, torch.bfloat16, "cuda"
+H, D, DT = 16, 128, torch.bfloat16
 LENGTHS = [512, 8192, 1024, 3000, 6000, 700, 4096, 2600]
 
 
@@ -48,17 +54,21 @@ def main() -> None:
     from triton.testing import do_bench
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--systems", default="flexfa,fa4,flex")
+    ap.add_argument("--systems", default="flexfa,flexfa_concat,fa4,flex")
     ap.add_argument("--flexfa-backend", default="auto")
     ap.add_argument("--rep", type=int, default=100)
+    ap.add_argument("--device", default="cuda", help="cpu: flexfa's block-mask timing only")
     a = ap.parse_args()
+    dev = torch.device(a.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     total = sum(LENGTHS)
-    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device=dev)
     pairs = sum(n * (n + 1) // 2 for n in LENGTHS)
     flops = 4 * H * D * pairs
     torch.manual_seed(0)
     q, k, v = (
-        torch.randn(1, H, total, D, device=DEV, dtype=DT, requires_grad=True) for _ in range(3)
+        torch.randn(1, H, total, D, device=dev, dtype=DT, requires_grad=True) for _ in range(3)
     )
     do = torch.randn_like(q)
     records = []
@@ -72,38 +82,45 @@ def main() -> None:
         fresh = cu.clone()
         pack = packing(fresh, fresh, total, total, q.device)
         _, mask = packed_mods(None, causal, pack, H)
-        flexfa.create_block_mask(mask, 1, None, total, total, device=DEV)
+        flexfa.create_block_mask(mask, 1, None, total, total, device=dev)
 
     def build_torch():
         from torch.nn.attention.flex_attention import create_block_mask
 
         doc = torch.repeat_interleave(
-            torch.arange(len(LENGTHS), device=DEV), torch.tensor(LENGTHS, device=DEV)
+            torch.arange(len(LENGTHS), device=dev), torch.tensor(LENGTHS, device=dev)
         )
 
         def doc_causal(b, h, q_idx, kv_idx):
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-        return create_block_mask(doc_causal, 1, None, total, total, device=DEV)
+        return create_block_mask(doc_causal, 1, None, total, total, device=dev)
 
-    for name, build in (("flexfa", build_flexfa), ("torch", build_torch)):
+    # torch's dense build of 26k x 26k pairs is not run on the CPU (gigabytes, seconds).
+    for name, build in (("flexfa", build_flexfa), ("torch", build_torch))[: 2 if cuda else 1]:
         build()
         times = []
         for _ in range(20):
-            torch.cuda.synchronize()
+            sync()
             t0 = time.perf_counter()
             build()
-            torch.cuda.synchronize()
+            sync()
             times.append((time.perf_counter() - t0) * 1e3)
         emit(block_mask=name, ms=statistics.median(times), min_ms=min(times))
 
     fns = {}
-    if "flexfa" in a.systems:
+    systems = a.systems.split(",") if cuda else []
+    if "flexfa" in systems:
         fns["flexfa"] = lambda q, k, v: flexfa.attention(
             q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu,
             backend=a.flexfa_backend,
         )  # fmt: skip
-    if "fa4" in a.systems:
+    if "flexfa_concat" in systems:
+        fns["flexfa_concat"] = lambda q, k, v: flexfa.attention(
+            q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu, backend="fa4",
+            kernel_options={"block_sparse": True},
+        )  # fmt: skip
+    if "fa4" in systems:
         try:
             from flash_attn.cute import flash_attn_varlen_func
 
@@ -114,7 +131,7 @@ def main() -> None:
             )[0].transpose(0, 1)[None]  # fmt: skip
         except Exception as e:  # report and go on without FA4
             emit(system="fa4", error=repr(e)[:200])
-    if "flex" in a.systems:
+    if "flex" in systems:
         from torch.nn.attention.flex_attention import flex_attention
 
         tflex = torch.compile(flex_attention, dynamic=False)
@@ -150,8 +167,10 @@ def main() -> None:
             rel_diff_vs_first=float((out - ref).norm() / ref.norm()),
         )
     if "flexfa" in fns:
-        emit(explain=flexfa.explain_backend(q, k, v, block_mask=causal, cu_seqlens_q=cu,
-                                            cu_seqlens_kv=cu).splitlines()[-1])  # fmt: skip
+        lines = flexfa.explain_backend(
+            q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu
+        ).splitlines()
+        emit(explain=lines[-1], fa4=lines[0])  # which path fa4 takes
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "varlen.json"), "w") as f:
             json.dump(records, f, indent=1)

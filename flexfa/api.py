@@ -12,11 +12,11 @@ from flexfa import backends, torch_options
 from flexfa.blockmask.bind import resolve_block_mask
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.compiled import compiled_attention
-from flexfa.frontend.trace import TracedMod, trace_score_mod
+from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.paged import validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
-from flexfa.varlen import packed_mods, packing
+from flexfa.varlen import PackedSequences, packed_mods, packing, sequence_lengths
 
 try:  # torch's own types where the installed torch has them, so results compare equal
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -104,8 +104,11 @@ def attention(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
-        score_mod, block_mask = _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv)
+        score_mod, block_mask, packed = _packed(
+            q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv
+        )
     kernel_options = torch_options.translate(kernel_options)
     want_max = False
     if return_aux is not None:
@@ -133,7 +136,7 @@ def attention(
             return out, _aux_output(return_aux, lse, max_scores)
         return (out, lse) if return_lse else out
     key = None
-    if _memo_eligible(q, k, v, block_mask, page_table, kv_lens):
+    if packed is None and _memo_eligible(q, k, v, block_mask, page_table, kv_lens):
         traced = _trace_score_mod(score_mod, q.shape[1], q.device)
         key = _memo_key(q, k, v, traced, block_mask, scale, enable_gqa, kernel_options,
                         deterministic, backend, want_max)  # fmt: skip
@@ -153,6 +156,7 @@ def attention(
             deterministic=deterministic,
             page_table=page_table,
             kv_lens=kv_lens,
+            packed=packed,
             traced_score_mod=traced if key is not None else _UNTRACED,
         )
         if want_max:
@@ -181,8 +185,10 @@ def attention(
 # the key stay theirs), and a repeated call skips the argument checks, the block-mask binding and
 # the backend choice, which would give the same answers: the checks depend on nothing else. Calls
 # with gradients enabled (their spec follows requires_grad flags that may change between calls),
-# paged calls (their page tables are checked at every call) and block masks given as mask_mods or
-# torch BlockMasks take the full path. A BlockMask changed in place is as visible as it is to the
+# paged calls (their page tables are checked at every call), packed calls (their spec follows the
+# values of the offsets, which may change in place: Note [Packed calls on FA4's varlen path] in
+# flexfa/codegen/cute/backend.py) and block masks given as mask_mods or torch BlockMasks take the
+# full path. A BlockMask changed in place is as visible as it is to the
 # caches keyed by it already (Note [Decode host time]). The memo keeps the last _MEMO_SIZE calls
 # (a model's decode step has a handful of distinct calls), so it holds at most that many BlockMasks
 # alive beyond their callers' use, e.g. the per-step slices of a decoding loop.
@@ -254,12 +260,15 @@ def build_spec(
     deterministic: bool = False,
     page_table: torch.Tensor | None = None,
     kv_lens: torch.Tensor | None = None,
+    packed: PackedSequences | None = None,
     traced_score_mod: Any = _UNTRACED,
 ) -> AttentionSpec:
     """Validate a call's arguments, trace its mods and bind its block mask.
 
-    `traced_score_mod`: the score_mod already traced for these inputs (by `attention`'s repeated-
-    call path, Note [Repeated inference calls]), so that a call is traced once."""
+    `packed`: a packed call's sequences and its user's own mods (`_packed`), beside the rewritten
+    mods passed as `score_mod` and `block_mask`. `traced_score_mod`: the score_mod already traced
+    for these inputs (by `attention`'s repeated-call path, Note [Repeated inference calls]), so
+    that a call is traced once."""
     paged = None
     if page_table is None and kv_lens is None:
         shape = validate_qkv(q, k, v, enable_gqa=enable_gqa)
@@ -300,6 +309,7 @@ def build_spec(
         paged=paged,
         k_dtype=k.dtype,
         v_dtype=v.dtype,
+        packed=packed,
     )
 
 
@@ -343,7 +353,9 @@ def _refuse_backward(spec: AttentionSpec, q, k, v, out, lse):
 
 
 def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
-    """The mods of a packed call on the concatenated sequences (Note [Packed batches as mods])."""
+    """The mods of a packed call on the concatenated sequences (Note [Packed batches as mods]),
+    and its `PackedSequences` for backends with a variable-length path of their own (None inside
+    torch.compile, whose ops run the concatenation)."""
     if cu_seqlens_q is None or cu_seqlens_kv is None:
         raise ValueError("a packed call needs both cu_seqlens_q and cu_seqlens_kv")
     for name, t in (("q", q), ("k", k)):
@@ -353,7 +365,19 @@ def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
                 f"with cu_seqlens, {name} must be (1, heads, total_len, head_dim), got {shape}"
             )
     pack = packing(cu_seqlens_q, cu_seqlens_kv, q.shape[2], k.shape[2], q.device)
-    return packed_mods(score_mod, block_mask, pack, q.shape[1])
+    packed_score, packed_mask = packed_mods(score_mod, block_mask, pack, q.shape[1])
+    if torch.compiler.is_compiling():
+        return packed_score, packed_mask, None
+    lens_q, lens_kv = sequence_lengths(pack, cu_seqlens_q, cu_seqlens_kv)
+    sequences = PackedSequences(
+        cu_seqlens_q,
+        cu_seqlens_kv,
+        lens_q,
+        lens_kv,
+        score_mod=_trace_score_mod(score_mod, q.shape[1], q.device),
+        mask=None if block_mask is None else trace_mask_mod(block_mask, device=q.device),
+    )
+    return packed_score, packed_mask, sequences
 
 
 def _trace_score_mod(score_mod: Any, num_heads: int, device: torch.device) -> TracedMod | None:
@@ -392,7 +416,7 @@ def explain_backend(
     """
     cu_q, cu_kv = kwargs.pop("cu_seqlens_q", None), kwargs.pop("cu_seqlens_kv", None)
     if cu_q is not None or cu_kv is not None:
-        score_mod, block_mask = _packed(q, k, score_mod, block_mask, cu_q, cu_kv)
+        score_mod, block_mask, kwargs["packed"] = _packed(q, k, score_mod, block_mask, cu_q, cu_kv)
     spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
     lines = []
     for name, answer in backends.explain(spec):

@@ -13,6 +13,7 @@ from flexfa.frontend.trace import TracedMod
 
 if TYPE_CHECKING:
     from flexfa.paged import PagedKV
+    from flexfa.varlen import PackedSequences
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: K/V may hold one of these with a query of any supported dtype (Note [fp8 K/V]).
@@ -55,6 +56,11 @@ class AttentionSpec:
     #: K's and V's dtypes: `dtype` (q's) or a float8 dtype (Note [fp8 K/V]); None: q's.
     k_dtype: torch.dtype | None = None
     v_dtype: torch.dtype | None = None
+    #: A packed call (cu_seqlens): its sequences and the user's own mods, for backends with a
+    #: variable-length path of their own; `score_mod` and the mask above are the rewritten mods
+    #: of the concatenation (Note [Packed batches as mods] in flexfa/varlen.py), which every
+    #: backend can run.
+    packed: PackedSequences | None = None
 
     def __post_init__(self) -> None:
         for name in ("k_dtype", "v_dtype"):

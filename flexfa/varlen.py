@@ -11,16 +11,39 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 #     score'(s, b, h, q, kv)     = score_mod(s, seq_q[q], h, pos_q[q], pos_kv[kv])
 # so the user's mods see `b` = sequence index and positions relative to their sequence, exactly as
 # for a padded batch, and every backend (forward and backward) runs packed calls unchanged. The
-# BlockMask of mask' is built by flexfa's analysis, which bounds seq/pos lines tile by tile (the
-# document-mask case). The four index tensors are derived once per (cu_seqlens_q, cu_seqlens_kv)
-# state and cached with weak references (as page tables are, Note [Checking page tables]), so the
-# rewritten mods keep hitting the trace and block-mask caches across calls.
+# four index tensors are derived once per (cu_seqlens_q, cu_seqlens_kv) state and cached with weak
+# references (as page tables are, Note [Checking page tables]), so the rewritten mods keep hitting
+# the trace and block-mask caches across calls. The offsets are validated on the host, from one
+# copy of them (the only synchronization of a new batch), and `Packing` keeps that copy.
+#
+# Note [Packed batches without retracing]
+# A new batch brings new index tensors, and the trace cache keys captured tensors by identity
+# (Note [Trace cache]), so each new batch would trace mask' and score' again (hundreds of
+# microseconds each). A packed mod therefore carries a `__flexfa_trace__` hook (Note [Mods that
+# bring their trace] in flexfa/frontend/trace.py): it traces a *twin*, the same code closed over
+# fixed placeholder tensors of the same dtype, rank and device, which hits the trace cache for
+# every batch, and binds the batch's tensors to the twin's captures. A trace reads only the
+# dtype, rank and device of a captured tensor, so the result is the trace of the packed mod.
+#
+# Note [Packed block masks]
+# The generic analysis cannot decide the tiles where a sequence boundary crosses a tile (pos
+# jumps there, so pos_q[q] >= pos_kv[kv] is bounded only loosely), and every such tile went
+# through witnesses and refinement: ~1700 torch operations and a dozen synchronizations for 8
+# sequences, 20-32 ms on an H200 (the fused kernel ran first and gave up on the same tiles). The
+# packed mask knows its structure, so it carries a `__flexfa_block_mask__` builder (Note [Block
+# mask builders] in flexfa/blockmask/build.py) that derives the tiles from the offsets and the
+# analysis of the user's mask_mod on positions within each sequence: O(tiles) work in about 60
+# vectorized operations, without synchronizing (Note [Tiles of a packed mask]). The hook lives
+# here, where the packing is known; the tile logic in flexfa/blockmask/packed.py, beside the
+# analysis it runs. The builder answers only for the tensors of its own packing: a trace with
+# other tensors bound (torch.compile rebinds a described trace's captures) takes the general path.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -28,18 +51,39 @@ from typing import Any
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
+from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Packing:
-    """Per token: its sequence (`seq_*`) and its position in that sequence (`pos_*`), int32."""
+    """Per token: its sequence (`seq_*`) and its position in that sequence (`pos_*`), int32; the
+    offsets themselves (`cu_*`, int32 on the device) and their host copy (`offsets_*`)."""
 
     seq_q: torch.Tensor
     pos_q: torch.Tensor
     seq_kv: torch.Tensor
     pos_kv: torch.Tensor
-    num_seqs: int
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    offsets_q: tuple[int, ...]
+    offsets_kv: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.offsets_q) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_q.device
+
+    @functools.cached_property
+    def lengths_q(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.offsets_q, self.offsets_q[1:]))
+
+    @functools.cached_property
+    def lengths_kv(self) -> tuple[int, ...]:
+        return tuple(b - a for a, b in zip(self.offsets_kv, self.offsets_kv[1:]))
 
 
 _MAX_CACHED = 32
@@ -47,11 +91,10 @@ _packings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
 
 def _positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = (cu[1:] - cu[:-1]).long()
-    seqs = torch.arange(cu.numel() - 1, device=cu.device, dtype=torch.int32)
-    seq = torch.repeat_interleave(seqs, lengths, output_size=total)
-    pos = torch.arange(total, device=cu.device, dtype=torch.int32) - cu[seq.long()]
-    return seq.to(torch.int32), pos.to(torch.int32)
+    """(seq, pos) of every token, int32, without synchronizing (`total` is known)."""
+    seq = torch.repeat_interleave(cu[1:] - cu[:-1], output_size=total)
+    pos = torch.arange(total, device=cu.device, dtype=torch.int32) - cu[seq]
+    return seq, pos
 
 
 def _check(name: str, cu: object, total: int, device: torch.device) -> torch.Tensor:
@@ -67,14 +110,13 @@ def _check(name: str, cu: object, total: int, device: torch.device) -> torch.Ten
     return cu
 
 
-def _check_values(name: str, cu: torch.Tensor, total: int) -> None:
-    steps = cu[1:] - cu[:-1]
-    first, last, decreasing = torch.stack([cu[0], cu[-1], (steps < 0).sum()]).tolist()
+def _check_values(name: str, offsets: list[int], total: int) -> None:
+    first, last = offsets[0], offsets[-1]
     if first != 0 or last != total:
         raise ValueError(
             f"{name} must start at 0 and end at the packed length {total}, got {first} and {last}"
         )
-    if decreasing:
+    if not all(map(int.__le__, offsets, offsets[1:])):
         raise ValueError(f"{name} must be non-decreasing (sequence lengths are >= 0)")
 
 
@@ -94,15 +136,69 @@ def packing(
     if hit is not None and hit[0]() is cu_q and hit[1]() is cu_kv:
         _packings.move_to_end(key)
         return hit[2]
-    _check_values("cu_seqlens_q", cu_q, total_q)
-    _check_values("cu_seqlens_kv", cu_kv, total_kv)
+    # One copy to the host for both offsets (Note [Packed batches as mods]).
+    if cu_kv is cu_q:
+        offsets_q = offsets_kv = cu_q.tolist()
+    else:
+        both = torch.cat([cu_q, cu_kv]).tolist()
+        offsets_q, offsets_kv = both[: cu_q.numel()], both[cu_q.numel() :]
+    _check_values("cu_seqlens_q", offsets_q, total_q)
+    _check_values("cu_seqlens_kv", offsets_kv, total_kv)
     seq_q, pos_q = _positions(cu_q, total_q)
-    seq_kv, pos_kv = _positions(cu_kv, total_kv)
-    found = Packing(seq_q, pos_q, seq_kv, pos_kv, cu_q.numel() - 1)
+    if offsets_kv == offsets_q:
+        # The same tokens on both sides: views, so that the mods still capture four tensors.
+        seq_kv, pos_kv = seq_q.view(-1), pos_q.view(-1)
+    else:
+        seq_kv, pos_kv = _positions(cu_kv, total_kv)
+    found = Packing(seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv))
     _packings[key] = (weakref.ref(cu_q), weakref.ref(cu_kv), found)
     while len(_packings) > _MAX_CACHED:
         _packings.popitem(last=False)
     return found
+
+
+def sequence_lengths(
+    pack: Packing, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The lengths of the sequences, queries and keys, on the host: from the host copy of the
+    offsets that `packing` made once per offsets tensor state (no further synchronization)."""
+    assert pack.cu_q is cu_seqlens_q and pack.cu_kv is cu_seqlens_kv, "another call's packing"
+    return pack.lengths_q, pack.lengths_kv
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedSequences:
+    """A packed call's sequences and its user's own mods, traced (`AttentionSpec.packed`), for
+    backends with a variable-length path of their own (Note [Packed calls on FA4's varlen path]
+    in flexfa/codegen/cute/backend.py)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    lens_q: tuple[int, ...]
+    lens_kv: tuple[int, ...]
+    score_mod: TracedMod | None = None
+    mask: TracedMod | None = None
+
+    @property
+    def max_len_q(self) -> int:
+        return max(self.lens_q)
+
+    @property
+    def max_len_kv(self) -> int:
+        return max(self.lens_kv)
+
+    @functools.cached_property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (len_q, len_kv) of the sequences with queries and keys, longest first."""
+        pairs = {(a, b) for a, b in zip(self.lens_q, self.lens_kv) if a and b}
+        return tuple(sorted(pairs, key=lambda p: (-(p[0] + p[1]), p)))
+
+    @functools.cached_property
+    def one_sided(self) -> tuple[int, ...]:
+        """The sequences with queries and no keys, or keys and no queries."""
+        return tuple(
+            s for s, (a, b) in enumerate(zip(self.lens_q, self.lens_kv)) if bool(a) != bool(b)
+        )
 
 
 def packed_mods(
@@ -121,14 +217,12 @@ def packed_mods(
         raise TypeError(
             f"block_mask must be a mask_mod(b, h, q_idx, kv_idx) or None, got {type(block_mask).__name__}"
         )
-    return _packed_score(bind_heads(score_mod, num_heads), pack), _packed_mask(block_mask, pack)
+    score_mod = bind_heads(score_mod, num_heads)
+    score = None if score_mod is None else _Packed(_packed_score, score_mod, pack).make()
+    return score, _Packed(_packed_mask, block_mask, pack).make()
 
 
-def _packed_score(score_mod, pack: Packing):
-    if score_mod is None:
-        return None
-    seq_q, pos_q, pos_kv = pack.seq_q, pack.pos_q, pack.pos_kv
-
+def _packed_score(score_mod, seq_q, pos_q, seq_kv, pos_kv):
     def packed(score, b, h, q_idx, kv_idx):
         return score_mod(score, seq_q[q_idx], h, pos_q[q_idx], pos_kv[kv_idx])
 
@@ -136,8 +230,7 @@ def _packed_score(score_mod, pack: Packing):
     return packed
 
 
-def _packed_mask(mask_mod, pack: Packing):
-    seq_q, pos_q, seq_kv, pos_kv = pack.seq_q, pack.pos_q, pack.seq_kv, pack.pos_kv
+def _packed_mask(mask_mod, seq_q, pos_q, seq_kv, pos_kv):
     if mask_mod is None:
 
         def packed(b, h, q_idx, kv_idx):
@@ -151,3 +244,45 @@ def _packed_mask(mask_mod, pack: Packing):
 
     packed.__name__ = f"packed_{getattr(mask_mod, '__name__', 'sequences')}"
     return packed
+
+
+@functools.lru_cache(maxsize=8)
+def _placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Stand-ins for seq_q, pos_q, seq_kv, pos_kv in twins (Note [Packed batches without
+    retracing]); kept for the life of the process, so their identities stay theirs."""
+    return tuple(torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Packed:
+    """What a packed mod is made of: a maker (`_packed_score` or `_packed_mask`), the user's mod
+    and the packing. `make` returns the packed mod with its hooks attached."""
+
+    maker: Callable[..., Callable[..., Any]]
+    mod: Callable[..., Any] | None
+    pack: Packing
+
+    def make(self) -> Callable[..., Any]:
+        p = self.pack
+        fn = self.maker(self.mod, p.seq_q, p.pos_q, p.seq_kv, p.pos_kv)
+        # The hooks hold this object, which holds no reference to `fn`: no reference cycle.
+        fn.__flexfa_trace__ = self.trace
+        if self.maker is _packed_mask:
+            fn.__flexfa_block_mask__ = self.block_mask
+        return fn
+
+    def trace(self, fn: Callable[..., Any], kind: str, device: torch.device | None):
+        """The trace of `fn` from its twin's (Note [Packed batches without retracing])."""
+        p = self.pack
+        stand_ins = _placeholders(p.device)
+        twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
+        real = dict(zip(map(id, stand_ins), (p.seq_q, p.pos_q, p.seq_kv, p.pos_kv)))
+        tensors = tuple(real.get(id(t), t) for t in twin.tensors)
+        return dataclasses.replace(twin, tensors=tensors, fn=fn)
+
+    def block_mask(self, traced, grid):
+        """The BlockMask of the packed mask `traced` on `grid`, from the offsets (Note [Packed
+        block masks]), or None when the general path must build it."""
+        from flexfa.blockmask.packed import packed_block_mask
+
+        return packed_block_mask(traced, grid, self.mod, self.pack)

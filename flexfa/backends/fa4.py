@@ -107,6 +107,8 @@ def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) ->
 #     found such a gradient 2.7x over the three-way bound in float16). The Triton kernels keep a
 #     float32 output for such calls (Note [Unrounded output for delta] in
 #     flexfa/codegen/triton/backend.py);
+#   - a packed call that runs on FA4's varlen kernels (Note [Packed calls on FA4's varlen path]
+#     in flexfa/codegen/cute/backend.py: its inner mask is native in every sequence);
 #   - a mask FA4 runs natively (causal, windows: Note [Native masks from the IR]), or one whose
 #     BlockMask has few partial tiles and reaches FA4 as block-sparse lists: at most
 #     `_AUTO_MAX_PARTIAL` of its non-empty tiles partial. `bench/auto_choice.py` (B*N = 16384,
@@ -134,13 +136,16 @@ class Fa4Backend(Backend):
             return False
         if torch.cuda.get_device_capability(spec.device)[0] != 9:
             return False
-        answer = self.supports(spec)
+        answer = self._supports(spec)
         if not answer or answer.reason:  # notes: a padded backward, 16-bit captured gradients
             return False
         if spec.mask.is_trivially_true:
             return True
         from flexfa.codegen.cute import backend
 
+        packed = backend.packed_lowering(spec)
+        if packed is not None and packed.native:
+            return True
         if spec.block_mask.partial_fraction <= _AUTO_MAX_PARTIAL and backend.uses_block_sparse(
             spec
         ):
@@ -148,6 +153,20 @@ class Fa4Backend(Backend):
         return backend.mask_lowering(spec.mask, spec.len_q, spec.len_kv).native
 
     def supports(self, spec: AttentionSpec) -> Support:
+        """Whether fa4 runs `spec`, with notes on how; for a packed call, which of the two paths
+        it takes (Note [Packed calls on FA4's varlen path])."""
+        answer = self._supports(spec)
+        if not answer or spec.packed is None:
+            return answer
+        from flexfa.codegen.cute import backend
+
+        return Support.yes(
+            "; ".join(n for n in (backend.describe_packed(spec), answer.reason) if n)
+        )
+
+    def _supports(self, spec: AttentionSpec) -> Support:
+        """`supports` without the packed call's path; a note here says the call runs less well
+        than usual (Note [Which backend auto picks])."""
         if spec.kv_fp8:
             return Support.no(
                 f"FA4's kernels read K/V in q's dtype; float8 K/V (k {spec.k_dtype}, v "
@@ -225,13 +244,15 @@ class Fa4Backend(Backend):
     def forward(self, spec, q, k, v):
         from flexfa.codegen.cute import backend
 
-        out, lse = backend.forward(backend.make_call(spec), q, k, v, _score_tensors(spec))
+        # The torch.library ops pass the spec's own score_mod tensors and slots: no varlen path.
+        call = backend.make_call(spec, varlen=False)
+        out, lse = backend.forward(call, q, k, v, _score_tensors(spec))
         return out, lse, out, None  # the backward reads the output itself
 
     def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
         from flexfa.codegen.cute import backend
 
-        call = backend.make_call(spec)
+        call = backend.make_call(spec, varlen=False)
         dq, dk, dv, captured = backend.backward(
             call, q, k, v, saved, lse, dout, dlse, _score_tensors(spec)
         )

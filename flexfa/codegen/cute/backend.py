@@ -15,7 +15,8 @@ import torch
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.codegen.cute import jitcache, launch, module, sparse
 from flexfa.codegen.cute.launch import Hooks
-from flexfa.codegen.cute.plan import MaskLowering, lower_mask
+from flexfa.codegen.cute.plan import MaskLowering, lower_mask, lower_packed_mask
+from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 from flexfa.layout import empty_like_query
 from flexfa.spec import AttentionSpec
@@ -37,6 +38,8 @@ class Call:
     bwd_kv_group: int = 1  # > 1: the backward runs on K/V repeated per query head
     bwd_head_dim: int | None = None  # the backward's zero-padded head dim (Note [Padded backward])
     scalars: tuple[float, ...] = ()  # the score_mod's lifted scalars, FA4's aux_scalars
+    #: Packed sequences on FA4's varlen kernels (Note [Packed calls on FA4's varlen path]).
+    sequences: launch.Sequences | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -157,6 +160,132 @@ def plan_call(
     )
 
 
+# Note [Packed calls on FA4's varlen path]
+# A packed call (cu_seqlens_q, cu_seqlens_kv) runs on every backend as one call on the
+# concatenation with rewritten mods (Note [Packed batches as mods] in flexfa/varlen.py), which
+# reaches FA4 as a document mask and its block-sparse lists: on the H200 (bench/varlen.py, causal
+# within 8 sequences of 512-8192 tokens) that ran at 0.83x forward and 0.89x forward+backward of
+# FA4's own flash_attn_varlen_func(causal=True). FA4's varlen kernels do the same work without the
+# document mask: a tile never crosses a sequence, and each sequence gets FA4's native mask. Their
+# hooks see what the user's mods expect (FA4's seqlen_info and tile schedulers): `b` is the
+# sequence index and q_idx, kv_idx count from the sequence's start (the score_mod's indices are
+# the tile's offsets within its sequence; with aux tensors FA4 wraps them modulo the sequence's
+# own lengths, which leaves in-range positions as they are). So the fa4 backend runs a packed call
+# there, with the user's own mods as traced (`AttentionSpec.packed`), not the rewritten ones,
+# forward and backward, captured-tensor gradients as for any call, when all of these hold:
+#   - the inner mask is proven to be one native mask of FA4's for every sequence (no mask,
+#     causal, a window: Note [Native masks per packed sequence] in plan.py): FA4's varlen
+#     backward takes no block-sparse lists, so other masks stay on the concatenation;
+#   - every sequence has queries and keys, or neither: a sequence with queries and no keys (FA4
+#     would walk one key block before the sequence) or keys and no queries (the backward builds
+#     divisors of the length 0) is a case FA4's kernels were not verified with here;
+#   - sm90, where tests/codegen/cute/test_gpu_varlen.py checks it (sm100's varlen kernels are
+#     other kernels, which nothing here runs);
+#   - not `kernel_options={"block_sparse": ...}` (a choice about the concatenation's lists), and
+#     not deterministic with a backward (FA4's deterministic varlen backward is not verified).
+# Otherwise the concatenation runs as before, and `explain_backend` says which path a packed call
+# takes and why. The path has run on the CPU only (its decisions, FA4's varlen kernels compiled for
+# sm_90a with generated mods, and the plumbing against a float64 stand-in of FA4's varlen entry
+# points); until tests/codegen/cute/test_gpu_varlen.py has passed on a GPU it is opt-in
+# (FLEXFA_FA4_VARLEN=1), so no packed call takes untried kernels by default. The rest is as for single calls: GQA backward with a score_mod on repeated K/V,
+# the padded backward, the generated hooks themselves (one module for a mod whether packed or not;
+# FA4's compile key tells its varlen kernels apart, so Note [FA4 kernels on disk] needs nothing
+# more). The host copy of the offsets that the proof and FA4's max_seqlen need is made once per
+# offsets tensor state (`flexfa.varlen.sequence_lengths`); packed calls stay out of the call memo
+# (Note [Repeated inference calls] in flexfa/api.py). Inside torch.compile packed calls run the
+# concatenation (flexfa/compiled.py builds specs without `packed`).
+
+
+def packed_lowering(spec: AttentionSpec) -> MaskLowering | None:
+    """How a packed call reaches FA4 (Note [Packed calls on FA4's varlen path]): FA4's varlen
+    kernels with this native mask, or, with kind "mask_mod", the concatenated call, and why; None
+    for calls that are not packed."""
+    packed = spec.packed
+    if packed is None:
+        return None
+    if not config.fa4_varlen:
+        return MaskLowering(
+            "mask_mod",
+            reason="FA4's varlen kernels are opt-in (FLEXFA_FA4_VARLEN=1) until they have run "
+            "with flexfa's mods on a GPU",
+        )
+    if "block_sparse" in spec.kernel_options:
+        return MaskLowering(
+            "mask_mod", reason="kernel_options['block_sparse'] asks for the concatenation's lists"
+        )
+    if spec.deterministic and spec.needs_grad:
+        return MaskLowering(
+            "mask_mod",
+            reason="deterministic=True: FA4's deterministic varlen backward is not verified",
+        )
+    if spec.device.type == "cuda" and torch.cuda.get_device_capability(spec.device)[0] != 9:
+        return MaskLowering("mask_mod", reason="FA4's varlen kernels are verified on sm90 only")
+    if packed.one_sided:
+        s = packed.one_sided[0]
+        return MaskLowering(
+            "mask_mod",
+            reason=f"sequence {s} has {packed.lens_q[s]} queries and {packed.lens_kv[s]} keys "
+            "(FA4's varlen kernels are verified with sequences that have both, or neither)",
+        )
+    return lower_packed_mask(packed.mask, packed.shapes)
+
+
+_NATIVE_NAMES = {"full": "no mask", "causal": "its causal mask", "window": "its window"}
+
+
+def describe_packed(spec: AttentionSpec) -> str:
+    """The path of a packed call, for `explain_backend` (Note [Packed calls on FA4's varlen
+    path])."""
+    lowering = packed_lowering(spec)
+    assert lowering is not None, "not a packed call"
+    if lowering.native:
+        mask = _NATIVE_NAMES[lowering.kind]
+        return (
+            f"packed sequences on FA4's varlen kernels with {mask}, the mods unrewritten "
+            f"({lowering.reason})"
+        )
+    return (
+        "packed sequences as one call on the concatenation with a document mask (not FA4's "
+        f"varlen kernels: {lowering.reason})"
+    )
+
+
+def plan_packed_call(
+    score: TracedMod | None,
+    lowering: MaskLowering,
+    sequences: launch.Sequences,
+    *,
+    needs_grad: bool,
+    scale: float,
+    group_size: int = 1,
+) -> Call:
+    """The call of FA4's varlen kernels for a packed call whose mask `lowering` is native, with
+    the user's score_mod `score` (Note [Packed calls on FA4's varlen path])."""
+    assert lowering.native, lowering
+    grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
+    return Call(
+        scale=scale,
+        lowering=lowering,
+        bwd_lowering=lowering,
+        hooks=hooks_for(score, None, grad_slots),
+        mask_tensors=(),
+        grad_slots=tuple(sorted(grad_slots)),
+        deterministic=False,
+        bwd_kv_group=group_size if needs_grad and score is not None else 1,
+        scalars=tuple(score.scalar_values) if score is not None else (),
+        sequences=sequences,
+    )
+
+
+def score_mod_of(spec: AttentionSpec, call: Call) -> TracedMod | None:
+    """The score_mod whose hooks `call` runs: the user's own on FA4's varlen kernels, else the
+    spec's (for a packed call, the rewritten one)."""
+    if call.sequences is not None:
+        assert spec.packed is not None
+        return spec.packed.score_mod
+    return spec.score_mod
+
+
 def uses_block_sparse(spec: AttentionSpec) -> bool:
     """Whether the call passes its BlockMask as FA4's block-sparse lists: `kernel_options=
     {"block_sparse": ...}` when given, else wherever the lists are wired (Note [Block-sparse lists
@@ -175,21 +304,40 @@ def _arch_major(device: torch.device) -> int | None:
     return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
 
 
-def make_call(spec: AttentionSpec) -> Call:
+def make_call(spec: AttentionSpec, *, varlen: bool = True) -> Call:
+    """The planned FA4 call of `spec`; a packed call goes to FA4's varlen kernels where Note
+    [Packed calls on FA4's varlen path] allows (`varlen=False`: never, for callers that pass the
+    spec's own score_mod tensors and gradient slots)."""
     from flexfa.backends.fa4 import backward_head_dim
 
-    call = plan_call(
-        spec.score_mod,
-        None if spec.mask.is_trivially_true else spec.mask,
-        len_q=spec.len_q,
-        len_kv=spec.len_kv,
-        needs_grad=spec.needs_grad,
-        scale=spec.scale,
-        deterministic=spec.deterministic,
-        block_mask=spec.block_mask if uses_block_sparse(spec) else None,
-        group_size=spec.group_size,
-        arch_major=_arch_major(spec.device) or 9,
-    )
+    lowering = packed_lowering(spec) if varlen else None
+    if lowering is not None and lowering.native:
+        packed = spec.packed
+        assert packed is not None
+        sequences = launch.Sequences(
+            packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_len_q, packed.max_len_kv
+        )
+        call = plan_packed_call(
+            packed.score_mod,
+            lowering,
+            sequences,
+            needs_grad=spec.needs_grad,
+            scale=spec.scale,
+            group_size=spec.group_size,
+        )
+    else:
+        call = plan_call(
+            spec.score_mod,
+            None if spec.mask.is_trivially_true else spec.mask,
+            len_q=spec.len_q,
+            len_kv=spec.len_kv,
+            needs_grad=spec.needs_grad,
+            scale=spec.scale,
+            deterministic=spec.deterministic,
+            block_mask=spec.block_mask if uses_block_sparse(spec) else None,
+            group_size=spec.group_size,
+            arch_major=_arch_major(spec.device) or 9,
+        )
     if not spec.needs_grad:
         return call
     padded = backward_head_dim(spec.head_dim, spec.head_dim_v, _arch_major(spec.device))
@@ -216,6 +364,7 @@ def forward(call: Call, q, k, v, score_tensors) -> tuple[torch.Tensor, torch.Ten
         aux_tensors=aux,
         block_sparse=call.fwd_sparse,
         scalars=call.scalars,
+        sequences=call.sequences,
     )
 
 
@@ -253,6 +402,7 @@ def backward(
         deterministic=call.deterministic,
         block_sparse=call.bwd_sparse,
         scalars=call.scalars,
+        sequences=call.sequences,
     )
     if group > 1:
         dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))
@@ -281,5 +431,6 @@ class _Fa4Function(torch.autograd.Function):
 def run(spec: AttentionSpec, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Output [B, H, Lq, Ev] and natural-log LSE [B, H, Lq], both differentiable."""
     call = make_call(spec)
-    score_tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
+    score = score_mod_of(spec, call)
+    score_tensors = score.tensors if score is not None else ()
     return _Fa4Function.apply(q, k, v, call, *score_tensors)

@@ -1,8 +1,9 @@
 """Calls of FlashAttention-4's forward and backward with flexfa's generated hooks.
 
-flexfa's layout is (batch, heads, len, dim); FA4's is (batch, len, heads, dim). The transposes
-below are views (FA4 reads any strides with a contiguous last dim), so no copy is made. Outputs
-come back as views in flexfa's layout.
+flexfa's layout is (batch, heads, len, dim); FA4's is (batch, len, heads, dim), and (total_len,
+heads, dim) for packed sequences on its varlen path (flexfa's (1, heads, total_len, dim)). The
+transposes below are views (FA4 reads any strides with a contiguous last dim), so no copy is made.
+Outputs come back as views in flexfa's layout.
 
 These functions import flash_attn; only the "fa4" backend and export call them.
 """
@@ -73,8 +74,39 @@ def aux_scalars(values: tuple[float, ...]) -> tuple | None:
     return tuple(cutlass.Float32(v) for v in values)
 
 
-def _fa4_layout(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(1, 2)
+@dataclasses.dataclass(frozen=True, eq=False)
+class Sequences:
+    """A packed call's sequences as FA4's varlen kernels take them (Note [Packed calls on FA4's
+    varlen path] in backend.py): int32 offsets on the device and the longest lengths."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def fa4_kwargs(self) -> dict:
+        """Keyword arguments of FA4's `_flash_attn_fwd` / `_flash_attn_bwd` for these sequences."""
+        return {
+            "cu_seqlens_q": self.cu_seqlens_q.contiguous(),
+            "cu_seqlens_k": self.cu_seqlens_k.contiguous(),
+            "max_seqlen_q": self.max_seqlen_q,
+            "max_seqlen_k": self.max_seqlen_k,
+        }
+
+
+def _fa4_layout(t: torch.Tensor, sequences: Sequences | None = None) -> torch.Tensor:
+    """(B, H, L, D) as FA4's (B, L, H, D); with `sequences`, (1, H, total, D) as (total, H, D)."""
+    return t.transpose(1, 2) if sequences is None else t.select(0, 0).transpose(0, 1)
+
+
+def _flexfa_layout(t: torch.Tensor, sequences: Sequences | None) -> torch.Tensor:
+    """The inverse of `_fa4_layout`."""
+    return t.transpose(1, 2) if sequences is None else t.transpose(0, 1).unsqueeze(0)
+
+
+def _fa4_lse(t: torch.Tensor | None, sequences: Sequences | None) -> torch.Tensor | None:
+    """flexfa's (B, H, L) LSE as FA4's: the same, or (H, total) for packed sequences."""
+    return t if t is None or sequences is None else t.select(0, 0)
 
 
 def forward(
@@ -90,18 +122,20 @@ def forward(
     arch: int | None = None,
     block_sparse: SparseLists | None = None,
     scalars: tuple[float, ...] = (),
+    sequences: Sequences | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4's forward, writing into `out` ([B, H, Lq, Ev], any stride order with a unit-stride
     head dim: the caller gives it q's, Note [Output layout] in flexfa/layout.py). Returns (out,
-    lse [B, H, Lq] natural log)."""
+    lse [B, H, Lq] natural log). With `sequences`, B is 1 and FA4's varlen kernels run."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     jitcache.install()
 
     _, lse, *_ = _flash_attn_fwd(
-        _fa4_layout(q),
-        _fa4_layout(k),
-        _fa4_layout(v),
+        _fa4_layout(q, sequences),
+        _fa4_layout(k, sequences),
+        _fa4_layout(v, sequences),
+        **(sequences.fa4_kwargs() if sequences is not None else {}),
         softmax_scale=scale,
         score_mod=hooks.score_mod,
         mask_mod=hooks.mask_mod if not lowering.native else None,
@@ -109,11 +143,11 @@ def forward(
         aux_scalars=aux_scalars(scalars),
         block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         return_lse=True,
-        out=_fa4_layout(out),
+        out=_fa4_layout(out, sequences),
         _arch=arch,
         **lowering.fa4_kwargs(),
     )
-    return out, lse
+    return out, (lse if sequences is None else lse.unsqueeze(0))
 
 
 def backward(
@@ -132,21 +166,24 @@ def backward(
     deterministic: bool,
     block_sparse: SparseLists | None = None,
     scalars: tuple[float, ...] = (),
+    sequences: Sequences | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
     Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
-    in place (Note [Captured gradients in the FA4 backward] in emit.py)."""
+    in place (Note [Captured gradients in the FA4 backward] in emit.py). With `sequences`, FA4's
+    varlen kernels run."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
     jitcache.install()
 
     dq, dk, dv = _flash_attn_bwd(
-        _fa4_layout(q),
-        _fa4_layout(k),
-        _fa4_layout(v),
-        _fa4_layout(out),
-        _fa4_layout(dout),
-        lse,
+        _fa4_layout(q, sequences),
+        _fa4_layout(k, sequences),
+        _fa4_layout(v, sequences),
+        _fa4_layout(out, sequences),
+        _fa4_layout(dout, sequences),
+        _fa4_lse(lse, sequences),
+        **(sequences.fa4_kwargs() if sequences is not None else {}),
         softmax_scale=scale,
         deterministic=deterministic,
         score_mod=hooks.score_mod,
@@ -155,7 +192,7 @@ def backward(
         aux_tensors=aux_tensors or None,
         aux_scalars=aux_scalars(scalars),
         block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
-        dlse=dlse,
+        dlse=_fa4_lse(dlse, sequences),
         **lowering.fa4_kwargs(),
     )[:3]
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return tuple(_flexfa_layout(g, sequences) for g in (dq, dk, dv))

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -111,13 +112,17 @@ def compile_call(
     backward: bool = True,
     block_sparse: bool = False,
     disk_cache: bool = False,
+    seqlens: Sequence[int] | None = None,
 ) -> CompileReport:
     """Compile FA4's forward (and backward) for these mods and `arch`, keeping PTX in `out_dir`.
 
     The mods go through the same path as `flexfa.attention(..., backend="fa4")`: tracing, mask
     lowering (Note [Native masks from the IR]), the generated module, FA4's entry points.
     `disk_cache=True` also uses flexfa's disk cache of compiled FA4 kernels (Note [FA4 kernels on
-    disk]): a kernel found there is loaded, not compiled, and leaves no PTX.
+    disk]): a kernel found there is loaded, not compiled, and leaves no PTX. `seqlens`: compile
+    FA4's varlen kernels instead, for a packed call of sequences of these lengths (each with as
+    many keys as queries; `seq_len` is then unused) whose mask is native in every sequence (Note
+    [Packed calls on FA4's varlen path]).
     """
     number = configure_arch(arch)
     out = Path(out_dir)
@@ -135,24 +140,34 @@ def compile_call(
     from flexfa.codegen.cute import backend, launch
 
     score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
-    bm = resolve_block_mask(mask_mod, 1, num_heads, seq_len, seq_len, torch.device("cpu"))
-    mask = None if bm.mask.is_trivially_true else bm.mask
-    call = backend.plan_call(
-        score,
-        mask,
-        len_q=seq_len,
-        len_kv=seq_len,
-        needs_grad=backward,
-        scale=head_dim**-0.5,
-        block_mask=bm if block_sparse else None,
-        arch_major=number // 10,
-    )
+    if seqlens is None:
+        bm = resolve_block_mask(mask_mod, 1, num_heads, seq_len, seq_len, torch.device("cpu"))
+        mask = None if bm.mask.is_trivially_true else bm.mask
+        call = backend.plan_call(
+            score,
+            mask,
+            len_q=seq_len,
+            len_kv=seq_len,
+            needs_grad=backward,
+            scale=head_dim**-0.5,
+            block_mask=bm if block_sparse else None,
+            arch_major=number // 10,
+        )
+    else:
+        call = _plan_packed(score, mask_mod, tuple(seqlens), backward, head_dim)
+        seq_len = sum(seqlens)
     captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
     grad_slots = call.grad_slots
     aux_specs = [(a.shape, a.dtype) for a in (launch.aux_tensor(t) for t in captured)]
     seconds: dict[str, float] = {}
     # By default compile for real: a kernel loaded from disk leaves no PTX.
     with _hardware_info_without_gpu(), FakeTensorMode(), config.override(fa4_disk_cache=disk_cache):
+        if call.sequences is not None:  # the offsets as (fake) CUDA tensors
+            cu = torch.empty(len(seqlens) + 1, dtype=torch.int32, device="cuda")
+            call = dataclasses.replace(
+                call,
+                sequences=dataclasses.replace(call.sequences, cu_seqlens_q=cu, cu_seqlens_k=cu),
+            )
         shape = (1, num_heads, seq_len, head_dim)
         q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
         aux = [
@@ -164,6 +179,7 @@ def compile_call(
             q, k, v, out=torch.empty_like(q), scale=call.scale, lowering=call.lowering,
             hooks=call.hooks, aux_tensors=aux, arch=number,
             block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
+            sequences=call.sequences,
         )  # fmt: skip
         seconds["forward"] = time.perf_counter() - t0
         padded = None
@@ -184,7 +200,7 @@ def compile_call(
                 q, k, v, o, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
                 lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
-                scalars=call.scalars,
+                scalars=call.scalars, sequences=call.sequences,
             )  # fmt: skip
             seconds["backward"] = time.perf_counter() - t0
     ptx = tuple(sorted(ptx_dir.rglob("*.ptx")))
@@ -199,7 +215,28 @@ def compile_call(
         f"; {name} block-sparse" for name, lists in (("forward", call.fwd_sparse),
         ("backward", call.bwd_sparse)) if lists is not None
     )  # fmt: skip
+    if call.sequences is not None:
+        text += f"; FA4's varlen kernels, {len(seqlens)} sequences (cu_seqlens)"
     return CompileReport(arch, ptx, seconds, text, sass)
+
+
+def _plan_packed(score, mask_mod, seqlens: tuple[int, ...], backward: bool, head_dim: int):
+    """`compile_call`'s plan of a packed call on FA4's varlen kernels; the offsets are filled in
+    under FakeTensorMode."""
+    from flexfa.codegen.cute import backend, launch
+    from flexfa.codegen.cute.plan import lower_packed_mask
+    from flexfa.frontend.trace import trace_mask_mod
+
+    mask = None if mask_mod is None else trace_mask_mod(mask_mod)
+    shapes = sorted({(n, n) for n in seqlens if n}, reverse=True)
+    lowering = lower_packed_mask(mask, shapes)
+    if not lowering.native:
+        raise ValueError(f"the mask does not reach FA4's varlen kernels: {lowering.reason}")
+    placeholder = torch.zeros(len(seqlens) + 1, dtype=torch.int32)
+    sequences = launch.Sequences(placeholder, placeholder, max(seqlens), max(seqlens))
+    return backend.plan_packed_call(
+        score, lowering, sequences, needs_grad=backward, scale=head_dim**-0.5
+    )
 
 
 def _cuobjdump() -> str | None:

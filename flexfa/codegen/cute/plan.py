@@ -22,6 +22,9 @@ generated mask_mod. Every native rewrite is proven from the mask's IR, never gue
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+from collections.abc import Sequence
 from typing import Literal
 
 import torch
@@ -96,15 +99,10 @@ def lower_mask(mask: TracedMod | None, len_q: int, len_kv: int) -> MaskLowering:
     """
     if mask is None or mask.is_trivially_true:
         return MaskLowering("full", reason="no mask")
-    allowed = allowed_distances(mask, len_q, len_kv)
-    if allowed is None:
-        return MaskLowering("mask_mod", reason="the mask is not a function of q_idx - kv_idx")
-    hits = torch.nonzero(allowed).flatten()
-    if hits.numel() == 0:
-        return MaskLowering("mask_mod", reason="the mask allows no pair")
-    first, last = int(hits[0]), int(hits[-1])
-    if last - first + 1 != hits.numel():
-        return MaskLowering("mask_mod", reason="the allowed q_idx - kv_idx are not one run")
+    run = _allowed_run(mask, len_q, len_kv)
+    if isinstance(run, MaskLowering):
+        return run
+    first, last, _ = run
     d_min, d_max = -(len_kv - 1), len_q - 1
     lo, hi = d_min + first, d_min + last
     off = len_kv - len_q
@@ -139,3 +137,142 @@ def native_mask(lowering: MaskLowering, len_q: int, len_kv: int) -> torch.Tensor
             ok &= kv <= q + off + lowering.window_right
         return ok
     raise ValueError("a mask_mod lowering has no native mask")
+
+
+# Note [Native masks per packed sequence]
+# FA4's varlen kernels apply one native mask to every sequence of a packed call, each with its own
+# off = len_kv - len_q (bottom-right alignment per sequence), while the user's mask_mod sees
+# positions within each sequence. So the proof of Note [Native masks from the IR] is made once for
+# all of them: the mask is evaluated at every d = q_idx - kv_idx the longest sequences can see,
+# from -(max len_kv - 1) to max len_q - 1 (every sequence sees a part of that range), and its
+# allowed d must form one run [lo, hi]; an end of the range that is allowed counts as unbounded,
+# since no sequence sees beyond it. FA4's window (left, right) allows, in the sequence of lengths
+# (len_q, len_kv), -off - right <= d <= left - off. Candidates are the canonical windows of each
+# distinct (len_q, len_kv), longest first, as `lower_mask` would pick them; the first that, in
+# every sequence, allows exactly the run [lo, hi] within that sequence's range of d (interval
+# arithmetic, no evaluation per sequence) is FA4's mask for the call. Negative bounds are refused
+# as for single calls, and so is a window under which a sequence would have query rows without an
+# allowed key (off + right < 0): what FA4's scheduler does with such rows of a varlen call is not
+# verified. Sequences without queries or without keys see no d and do not enter the proof (the
+# backend decides whether they may go to FA4's varlen kernels at all).
+
+
+def lower_packed_mask(mask: TracedMod | None, shapes: Sequence[tuple[int, int]]) -> MaskLowering:
+    """One FA4 native mask equal to `mask` within every sequence of a packed call, where one is
+    proven, else mask_mod (Note [Native masks per packed sequence]). `shapes`: the distinct
+    (len_q, len_kv) of the call's sequences, each at least 1, longest first.
+
+    >>> from flexfa.frontend.trace import trace_mask_mod
+    >>> from flexfa import masks
+    >>> lower_packed_mask(trace_mask_mod(masks.causal), [(700, 700), (1, 1)]).kind
+    'causal'
+    >>> lower_packed_mask(trace_mask_mod(masks.causal), [(300, 300), (100, 200)]).kind
+    'mask_mod'
+    """
+    if mask is None or mask.is_trivially_true:
+        return MaskLowering("full", reason="no mask")
+    shapes = tuple(shapes)
+    if not shapes or min(min(shape) for shape in shapes) < 1:
+        raise ValueError(f"shapes must be (len_q, len_kv) pairs of at least 1, got {shapes}")
+    if mask.captures:  # its tensors may differ from call to call
+        return _lower_packed_mask(mask, shapes)
+    return _cached_packed_lowering(mask, shapes)
+
+
+def _allowed_run(mask: TracedMod, len_q: int, len_kv: int) -> tuple[int, int, int] | MaskLowering:
+    """(first, last, count) over the q_idx - kv_idx of these lengths (index 0 is -(len_kv - 1))
+    when the allowed ones form one run; else why the mask is not a band."""
+    allowed = allowed_distances(mask, len_q, len_kv)
+    if allowed is None:
+        return MaskLowering("mask_mod", reason="the mask is not a function of q_idx - kv_idx")
+    hits = torch.nonzero(allowed).flatten()
+    if hits.numel() == 0:
+        return MaskLowering("mask_mod", reason="the mask allows no pair")
+    first, last = int(hits[0]), int(hits[-1])
+    if last - first + 1 != hits.numel():
+        return MaskLowering("mask_mod", reason="the allowed q_idx - kv_idx are not one run")
+    return first, last, allowed.numel()
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_packed_lowering(mask: TracedMod, shapes: tuple[tuple[int, int], ...]) -> MaskLowering:
+    return _lower_packed_mask(mask, shapes)
+
+
+def _lower_packed_mask(mask: TracedMod, shapes: tuple[tuple[int, int], ...]) -> MaskLowering:
+    max_q = max(lq for lq, _ in shapes)
+    max_kv = max(lkv for _, lkv in shapes)
+    run = _allowed_run(mask, max_q, max_kv)
+    if isinstance(run, MaskLowering):
+        return run
+    first, last, count = run
+    d_min = -(max_kv - 1)
+    lo = -math.inf if first == 0 else d_min + first
+    hi = math.inf if last == count - 1 else d_min + last
+    proof = f"proven in every sequence: {_allowed(lo, hi)}"
+    refusals = []
+    for candidate in dict.fromkeys(_canonical(lo, hi, lq, lkv) for lq, lkv in shapes):
+        why = _why_not_window(candidate, lo, hi, shapes)
+        if why is None:
+            left, right = candidate
+            if left is None and right is None:
+                return MaskLowering("full", reason=proof)
+            if left is None and right == 0:
+                return MaskLowering("causal", reason=proof)
+            return MaskLowering("window", left, right, reason=proof)
+        refusals.append(why)
+    return MaskLowering("mask_mod", reason=f"{proof}, but {refusals[0]}")
+
+
+def _allowed(lo: float, hi: float) -> str:
+    if math.isfinite(lo) and math.isfinite(hi):
+        return f"allowed iff {int(lo)} <= q_idx - kv_idx <= {int(hi)}"
+    if math.isfinite(lo):
+        return f"allowed iff q_idx - kv_idx >= {int(lo)}"
+    if math.isfinite(hi):
+        return f"allowed iff q_idx - kv_idx <= {int(hi)}"
+    return "every pair allowed"
+
+
+def _canonical(lo: float, hi: float, len_q: int, len_kv: int) -> tuple[int | None, int | None]:
+    """`lower_mask`'s window for one sequence of these lengths: a bound its d never reach is
+    None."""
+    off = len_kv - len_q
+    left = None if hi >= len_q - 1 else int(hi) + off
+    right = None if lo <= -(len_kv - 1) else -int(lo) - off
+    return left, right
+
+
+def _clip(a: float, b: float, lo: int, hi: int) -> tuple[float, float] | None:
+    a, b = max(a, lo), min(b, hi)
+    return (a, b) if a <= b else None
+
+
+def _why_not_window(
+    window: tuple[int | None, int | None],
+    lo: float,
+    hi: float,
+    shapes: tuple[tuple[int, int], ...],
+) -> str | None:
+    """Why FA4's window (left, right) is not the mask allowing lo <= d <= hi in every sequence
+    of these shapes, or None when it is."""
+    left, right = window
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return f"FA4's window would need a negative bound ({left}, {right})"
+    for len_q, len_kv in shapes:
+        off = len_kv - len_q
+        fa4_lo = -math.inf if right is None else -off - right
+        fa4_hi = math.inf if left is None else left - off
+        seen = (-(len_kv - 1), len_q - 1)
+        if _clip(fa4_lo, fa4_hi, *seen) != _clip(lo, hi, *seen):
+            return (
+                "no one FA4 window (aligned to each sequence's last key) equals it in every "
+                f"sequence: (left={left}, right={right}) differs in sequences of {len_q} queries "
+                f"and {len_kv} keys"
+            )
+        if right is not None and off + right < 0:
+            return (
+                f"sequences of {len_q} queries and {len_kv} keys would have query rows without "
+                "an allowed key, which FA4's varlen kernels are not verified with"
+            )
+    return None

@@ -24,14 +24,20 @@ SASS_MMA = {"sm_90a": "HGMMA", "sm_100a": "UTCHMMA"}  # the same instructions in
 pytestmark = pytest.mark.skipif(missing_package() is not None, reason=str(missing_package()))
 
 
-def export(tmp_path: Path, arch: str, mod: str, mask: str, extra: tuple[str, ...] = ()) -> dict:
-    out = tmp_path / arch
+def run_child(tmp_path: Path, cmd: list[str]) -> subprocess.CompletedProcess:
+    """Run a compile in its own process, with its own cache and Triton's real compiler."""
     env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "flexfa", "export", mod, "--mask", mask, "--backend", "fa4"]
-    cmd += ["--arch", arch, "--out", str(out), "--num-heads", "4", *extra]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert res.returncode == 0, res.stderr[-4000:]
+    return res
+
+
+def export(tmp_path: Path, arch: str, mod: str, mask: str, extra: tuple[str, ...] = ()) -> dict:
+    out = tmp_path / arch
+    cmd = [sys.executable, "-m", "flexfa", "export", mod, "--mask", mask, "--backend", "fa4"]
+    cmd += ["--arch", arch, "--out", str(out), "--num-heads", "4", *extra]
+    run_child(tmp_path, cmd)
     report = json.loads((out / f"compile_{arch}.json").read_text())
     ptx = {name: (out / f"ptx_{arch}" / name).read_text() for name in report["ptx"]}
     return {"report": report, "ptx": ptx, "mods": (out / "mods.py").read_text()}
@@ -90,16 +96,7 @@ print(json.dumps({"lowering": report.lowering, "ptx": [str(p) for p in report.pt
 # sm_100a: the lists coarsened to 256-row q blocks (Note [Coarsening a BlockMask]), compiled only.
 @pytest.mark.parametrize("arch", [pytest.param("sm_90a", marks=pytest.mark.slow), "sm_100a"])
 def test_block_sparse_lists_compile(tmp_path, arch):
-    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run(
-        [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path / "out"), arch],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert res.returncode == 0, res.stderr[-4000:]
+    res = run_child(tmp_path, [sys.executable, "-c", _SPARSE_CHILD, str(tmp_path / "out"), arch])
     got = json.loads(res.stdout.strip().splitlines()[-1])
     assert "forward block-sparse" in got["lowering"] and "backward block-sparse" in got["lowering"]
     kernel = "flash_bwd_sm90" if arch == "sm_90a" else "flash_bwd_sm100"
@@ -135,11 +132,9 @@ def test_mods_differing_in_a_float_share_one_compile(tmp_path):
     """Note [Constants in generated CuTe source]: a lifted float is FA4's run-time aux_scalars,
     so a second score_mod that differs only in that float compiles nothing, and the value is not a
     constant of the PTX."""
-    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-c", _SCALARS_CHILD, str(tmp_path / "out"), "sm_100a"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900, cwd=tmp_path)
-    assert res.returncode == 0, res.stderr[-4000:]
+    res = run_child(
+        tmp_path, [sys.executable, "-c", _SCALARS_CHILD, str(tmp_path / "out"), "sm_100a"]
+    )
     got = json.loads(res.stdout.strip().splitlines()[-1])
     fwd_1, bwd_1, fwd_2, bwd_2 = got["counts"]
     assert (fwd_1, bwd_1) == (fwd_2, bwd_2) and fwd_1 >= 1 and bwd_1 >= 1, got
@@ -177,3 +172,35 @@ def test_compiled_kernels_are_kept_on_disk_for_later_processes(tmp_path):
     first, second = (r["seconds"]["forward"] for r in runs)
     assert runs[0]["ptx"] >= 1 and runs[1]["ptx"] == 0, runs  # the second compiled nothing
     assert second < first / 2, runs
+
+
+_VARLEN_CHILD = """
+import json, sys, torch, flexfa
+from flexfa.codegen.cute import offline
+slopes = torch.rand(4, requires_grad=True)
+
+def learned_alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+report = offline.compile_call(learned_alibi, flexfa.masks.causal, arch=sys.argv[2],
+                              out_dir=sys.argv[1], head_dim=64, seqlens=(300, 0, 1, 700))
+print(json.dumps({"lowering": report.lowering, "ptx": [str(p) for p in report.ptx]}))
+"""
+
+
+@pytest.mark.slow
+def test_varlen_kernels_compile_with_a_generated_score_mod(tmp_path):
+    """Note [Packed calls on FA4's varlen path]: FA4's varlen forward and backward (cu_seqlens)
+    with the user's own score_mod, its captured tensor's gradient and FA4's causal mask, for
+    sm_90a: Hopper tensor cores in both, float32 atomic adds for the gradient."""
+    res = run_child(
+        tmp_path, [sys.executable, "-c", _VARLEN_CHILD, str(tmp_path / "out"), "sm_90a"]
+    )
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["lowering"].startswith("causal: proven in every sequence"), got["lowering"]
+    assert "FA4's varlen kernels, 4 sequences" in got["lowering"]
+    texts = {Path(p).name: Path(p).read_text() for p in got["ptx"]}
+    fwd, bwd = kernel(texts, "flash_fwd_sm90"), kernel(texts, "flash_bwd_sm90")
+    for text in (fwd, bwd):
+        assert ".target sm_90a" in text and MMA["sm_90a"] in text
+    assert "atom.global.add.f32" in bwd or "red.global.add.f32" in bwd
