@@ -19,11 +19,14 @@
 #      under the same key and only loads it.
 # Nothing depends on a worker for correctness: in step 3 Triton compiles whatever its cache does
 # not hold. `stats` counts how often the worker's kernel was the one loaded (`reused`, same hash)
-# and how often not (`mismatched`: another Triton configuration in the worker); a worker that fails
-# or exits is replaced, and after `_MAX_FAILURES` failures the workers are given up for the process
-# with a warning. Workers start at the first background compile (all of them at once: each takes
+# and how often not (`mismatched`: another Triton configuration in the worker); at the first
+# mismatch the workers are given up for the process with a warning, since that kernel was compiled
+# twice. A worker that fails or exits is replaced, and after `_MAX_FAILURES` failures the workers
+# are given up too, with a warning. Workers start at the first background compile (all of them at once: each takes
 # about as long to start as importing Triton) and end with the process. FLEXFA_COMPILE_WORKERS sets
-# their number (0: compile on the pool threads, as before).
+# their number (0: compile on the pool threads, as before). The workers have run in tests on the
+# CPU (tests/codegen/triton/test_compile_workers.py: a worker's kernel is the one the process then
+# loads); the GPU test of a cold training step is tests/codegen/triton/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import logging
 import os
 import queue
+import select
 import subprocess
 import sys
 import threading
@@ -49,6 +53,7 @@ log = logging.getLogger("flexfa")
 
 SCRIPT = Path(__file__).with_name("compile_worker.py")
 _MAX_FAILURES = 3
+_ANSWER_SECONDS = 900.0  # far beyond any kernel's compile
 
 
 @dataclasses.dataclass
@@ -101,6 +106,9 @@ class _Worker:
     def run(self, job: Job) -> dict:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         write_frame(self.proc.stdin, job.message())
+        ready, _, _ = select.select([self.proc.stdout], [], [], _ANSWER_SECONDS)
+        if not ready:  # a hung compile: the thread compiles the kernel itself
+            raise RuntimeError(f"no answer from the compile worker in {_ANSWER_SECONDS} s")
         answer = read_frame(self.proc.stdout)
         if answer is None:
             raise RuntimeError(f"the compile worker exited (code {self.proc.poll()})")
@@ -303,11 +311,22 @@ def compile_in_worker(kernel: Any, warm: Callable[[], Any]) -> str | None:
 
 
 def note_loaded(worker_hash: str | None, compiled: Any) -> None:
-    """Count whether the process loaded the worker's kernel (Note [Compile workers])."""
+    """Count whether the process loaded the worker's kernel (Note [Compile workers]). The first
+    time it did not, the process compiled the kernel a second time: workers are given up for the
+    process, with a warning, so that no later compile is done twice."""
+    global _given_up
     if worker_hash is None:
         return
     if getattr(compiled, "hash", None) == worker_hash:
         stats.reused += 1
-    else:
-        stats.mismatched += 1
-        log.debug("flexfa: a compile worker's kernel was not the one Triton loaded")
+        return
+    stats.mismatched += 1
+    if not _given_up:
+        _given_up = True
+        warnings.warn(
+            "flexfa: a kernel compiled by a compile worker was not the one Triton loaded (another "
+            "Triton configuration in the worker?), so it was compiled twice; background compiles "
+            "run on threads of this process from now on (FLEXFA_COMPILE_WORKERS=0 does this from "
+            "the start)",
+            stacklevel=2,
+        )

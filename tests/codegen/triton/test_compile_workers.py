@@ -154,3 +154,16 @@ def test_the_hook_captures_on_the_asking_thread_only(monkeypatch) -> None:
     # Another thread's compile went on, through the hook that was there before.
     assert other == [None] and [c["key"] for c in calls] == ["other thread"]
     assert triton_compiles("later") is None and calls[-1]["key"] == "later"
+
+
+def test_a_mismatch_gives_the_workers_up_with_a_warning(monkeypatch) -> None:
+    class Compiled:
+        hash = "abc"
+
+    monkeypatch.setattr(workers, "_given_up", False)
+    monkeypatch.setattr(workers, "stats", workers.WorkerStats())
+    workers.note_loaded("abc", Compiled())
+    assert workers.stats.reused == 1 and workers.enabled()
+    with pytest.warns(UserWarning, match="compiled twice"):
+        workers.note_loaded("other", Compiled())
+    assert workers.stats.mismatched == 1 and not workers.enabled()
