@@ -9,9 +9,11 @@ the merge as its own kernel or fused into the split kernel (Note [Fused merge]):
   - host_us: time to enqueue 50 calls, per call;
   - graph_us: the same call captured in a CUDA graph and replayed (GPU time without the host);
 each the best of --rounds interleaved rounds (the machine is shared), and prints the top of a
-cProfile of 500 default flexfa calls.
+cProfile of 500 default flexfa calls. `--sweep` also times, by GPU time alone (CUDA graphs), the
+defaults against other splits, tile sizes and stage counts (kernel_options; the direct launch and
+fused merge of the defaults), since at 4k keys do_bench would time the host.
 
-    python bench/decode_host.py [--lkv 4096,32768] [--rep 300] [--rounds 3]
+    python bench/decode_host.py [--lkv 4096,32768] [--rep 300] [--rounds 3] [--sweep]
 """
 
 # ruff: noqa: B023
@@ -46,6 +48,7 @@ def main() -> None:
     ap.add_argument("--lkv", default="4096")
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--sweep", action="store_true", help="GPU time of other launch configs")
     a = ap.parse_args()
     records = []
     direct_call = tlaunch.DirectLaunch.__call__
@@ -60,6 +63,15 @@ def main() -> None:
         v = torch.randn_like(k)
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
         cases = {"sdpa": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), None)}
+        sweep = [{"decode_splits": sp} for sp in (2, 4, 6, 12, 16)] + [
+            {"decode_block_n": bn, "decode_num_stages": st}
+            for bn, st in ((64, 2), (64, 4), (128, 2), (128, 3))
+        ]
+        for opts in sweep if a.sweep else []:
+            cases["flexfa " + json.dumps(opts)] = (
+                lambda opts=opts: flexfa.attention(q, k, v, enable_gqa=True, kernel_options=opts),
+                "direct",
+            )
         for merge in ("separate", "fused"):
             opts = {"decode_merge": merge}
             for launch in ("jit", "direct"):
