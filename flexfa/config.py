@@ -14,7 +14,7 @@ the environment, or use `config.override(...)`, at any point.
 | FLEXFA_COMPILE_WORKERS | processes that do those background compiles (Note [Compile workers]; 0 compiles on the threads) | 4, at most the CPU count less one |
 | FLEXFA_DIRECT_LAUNCH | after a kernel's first launch, launch it without Triton's per-call argument binding (Note [Direct launches]; 0 always goes through Triton's launcher) | 1 |
 | FLEXFA_FA4_DISK_CACHE | keep FA4 kernels compiled with flexfa's generated mods in the cache directory, for later processes (Note [FA4 kernels on disk]) | 1 |
-| FLEXFA_FA4_VARLEN | run packed calls that the fa4 backend takes on FA4's varlen kernels (Note [Packed calls on FA4's varlen path]); off until that path has run on a GPU | 0 |
+| FLEXFA_FA4_VARLEN | run packed calls that the fa4 backend takes on FA4's varlen kernels (Note [Packed calls on FA4's varlen path]); 0 keeps them on the concatenation | 1 |
 | FLEXFA_FUSED_BLOCK_MASK | build block masks with one generated kernel: `auto` (on CUDA), `1` (also on the CPU under TRITON_INTERPRET=1, for tests), `0` (never) | auto |
 """
 
@@ -136,7 +136,7 @@ class Config:
     @property
     def fa4_varlen(self) -> bool:
         """Packed calls on FA4's varlen kernels (Note [Packed calls on FA4's varlen path])."""
-        return self._get("fa4_varlen", lambda: _flag("FLEXFA_FA4_VARLEN", False))
+        return self._get("fa4_varlen", lambda: _flag("FLEXFA_FA4_VARLEN", True))
 
     @property
     def triton_interpret(self) -> bool:

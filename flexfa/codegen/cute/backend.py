@@ -186,8 +186,9 @@ def plan_call(
 # Otherwise the concatenation runs as before, and `explain_backend` says which path a packed call
 # takes and why. The path has run on the CPU only (its decisions, FA4's varlen kernels compiled for
 # sm_90a with generated mods, and the plumbing against a float64 stand-in of FA4's varlen entry
-# points); until tests/codegen/cute/test_gpu_varlen.py has passed on a GPU it is opt-in
-# (FLEXFA_FA4_VARLEN=1), so no packed call takes untried kernels by default. The rest is as for single calls: GQA backward with a score_mod on repeated K/V,
+# points), and on an H200 (tests/codegen/cute/test_gpu_varlen.py: output, LSE and gradients
+# against float64, hooks that see sequences and relative positions). FLEXFA_FA4_VARLEN=0 keeps
+# packed calls on the concatenation. The rest is as for single calls: GQA backward with a score_mod on repeated K/V,
 # the padded backward, the generated hooks themselves (one module for a mod whether packed or not;
 # FA4's compile key tells its varlen kernels apart, so Note [FA4 kernels on disk] needs nothing
 # more). The host copy of the offsets that the proof and FA4's max_seqlen need is made once per
@@ -206,8 +207,7 @@ def packed_lowering(spec: AttentionSpec) -> MaskLowering | None:
     if not config.fa4_varlen:
         return MaskLowering(
             "mask_mod",
-            reason="FA4's varlen kernels are opt-in (FLEXFA_FA4_VARLEN=1) until they have run "
-            "with flexfa's mods on a GPU",
+            reason="FLEXFA_FA4_VARLEN=0 keeps packed calls off FA4's varlen kernels",
         )
     if "block_sparse" in spec.kernel_options:
         return MaskLowering(

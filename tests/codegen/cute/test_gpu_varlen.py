@@ -26,7 +26,8 @@ from tests.tolerance import ThreeWay
 
 @pytest.fixture(autouse=True)
 def _fa4_varlen_on():
-    """FA4's varlen path is opt-in (Note [Packed calls on FA4's varlen path])."""
+    """FA4's varlen path on, whatever FLEXFA_FA4_VARLEN says (Note [Packed calls on FA4's varlen
+    path])."""
     with flexfa.config.override(fa4_varlen=True):
         yield
 

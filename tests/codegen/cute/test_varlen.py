@@ -28,7 +28,8 @@ from tests.codegen.cute.test_plan import dense
 
 @pytest.fixture(autouse=True)
 def _fa4_varlen_on():
-    """FA4's varlen path is opt-in (Note [Packed calls on FA4's varlen path])."""
+    """FA4's varlen path on, whatever FLEXFA_FA4_VARLEN says (Note [Packed calls on FA4's varlen
+    path])."""
     with flexfa.config.override(fa4_varlen=True):
         yield
 
@@ -442,16 +443,17 @@ def test_varlen_path_end_to_end_with_a_stand_in(monkeypatch, heads, head_dim, le
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_the_varlen_path_is_opt_in(monkeypatch) -> None:
+def test_the_varlen_path_is_on_by_default_and_can_be_turned_off(monkeypatch) -> None:
     from flexfa.codegen.cute import backend
 
-    monkeypatch.delenv("FLEXFA_FA4_VARLEN", raising=False)
     cu = torch.tensor([0, 5, 12], dtype=torch.int32)
     q = torch.randn(1, 2, 12, 16)
     score, mask, packed = _packed(q, q, None, fm.causal, cu, cu)
     spec = build_spec(q, q, q, score, mask, packed=packed)
+    monkeypatch.delenv("FLEXFA_FA4_VARLEN", raising=False)
+    assert flexfa.config.fa4_varlen
     with flexfa.config.override(fa4_varlen=False):
         lowering = backend.packed_lowering(spec)
-        assert not lowering.native and "FLEXFA_FA4_VARLEN=1" in lowering.reason
+        assert not lowering.native and "FLEXFA_FA4_VARLEN=0" in lowering.reason
     with flexfa.config.override(fa4_varlen=True):
         assert backend.packed_lowering(spec).native
