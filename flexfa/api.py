@@ -144,6 +144,10 @@ def attention(
     if found is not None:
         spec, impl = found[0], found[1]
     else:
+        if q.is_cuda:  # Note [Triton's start-up]
+            from flexfa.codegen.triton.launch import start_runtime
+
+            start_runtime(with_workers=_needs_grad(q, k, v))
         spec = build_spec(
             q,
             k,
@@ -195,6 +199,12 @@ def attention(
 _memo: dict[tuple, tuple] = {}
 _MEMO_SIZE = 16
 _UNTRACED = object()  # build_spec traces the score_mod itself
+
+
+def _needs_grad(q, k, v) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)
+    )
 
 
 def _memo_eligible(q, k, v, block_mask, page_table, kv_lens) -> bool:

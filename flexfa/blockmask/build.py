@@ -294,7 +294,9 @@ def create_block_mask(
             return bm
     if _use_fused(device):
         from flexfa.blockmask import fused
+        from flexfa.codegen.triton.launch import start_runtime
 
+        start_runtime(with_workers=True)  # Note [Triton's start-up]
         bm = fused.build(traced, grid)
         if bm is not None:
             return bm

@@ -27,6 +27,7 @@ import torch
 
 from flexfa import diskcache
 from flexfa.blockmask.grid import TileGrid, TileList
+from flexfa.codegen.triton.launch import runtime_ready
 from flexfa.frontend.trace import TracedMod
 
 # The kernel; `{mask_fn}`, `{capture_params}` and `{capture_args}` are filled from the emitted
@@ -165,6 +166,7 @@ def classify_tiles(mask: TracedMod, grid: TileGrid, tiles: TileList) -> torch.Te
 
     args += capture_values(mask.tensors)
     bs = grid.block_size
+    runtime_ready()  # Note [Triton's start-up]
     kernel[(len(tiles),)](
         *args,
         BLOCK_Q=bs.q,

@@ -110,6 +110,11 @@ def main() -> None:
         os.nice(5)  # the process that waits for a kernel compiles the most urgent one itself
     import triton  # noqa: F401  (ready before the first job)
 
+    with contextlib.suppress(Exception):  # also Triton's one-time key of its own installation
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+
     jobs = sys.stdin.buffer
     while True:
         job = read_frame(jobs)

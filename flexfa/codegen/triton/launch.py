@@ -53,6 +53,7 @@ def run_logged(fast_key: tuple, label: str, run) -> None:
     if fast_key in _launched:
         run()
         return
+    runtime_ready()
     start = time.perf_counter()
     run()
     if torch.cuda.is_available() and not config.triton_interpret:
@@ -130,6 +131,7 @@ def _compile_and_load(label: str, device: int, kernel: Any, warm: Callable[[], A
     """Compile a kernel with `warm()` (a Triton `warmup` call), in a worker process where there are
     workers (Note [Compile workers]), and load it for launching: its module and its launcher
     (Note [Concurrent compiles])."""
+    runtime_ready()
     start = time.perf_counter()
     with torch.cuda.device(device):
         worker_hash = workers.compile_in_worker(kernel, warm) if workers.enabled() else None
@@ -144,6 +146,63 @@ def _compile_and_load(label: str, device: int, kernel: Any, warm: Callable[[], A
         label,
         time.perf_counter() - start,
     )
+
+
+# Note [Triton's start-up]
+# A process's first Triton compile pays Triton's one-time start-up: importing its compiler,
+# hashing its own installation into every cache key (`triton_key`: it reads libtriton, 0.38 s on
+# the H200) and creating its CUDA driver, which builds Triton's C helper module with the host
+# compiler when Triton's cache is cold (0.38 s). In a cold first call the main thread met both
+# inside the forward's compile, on the call's critical path (docs/performance.md, "Where a cold
+# first call goes"). `start_runtime`, called when a call on CUDA starts that the call memo has
+# not seen, does them on the compile pool, and starts the compile workers when the call will
+# have background compiles, while the call traces its mods and builds its block mask. Every
+# flexfa path into Triton (a first launch, a compile on the pool, a direct launch's first call)
+# waits for it first with `runtime_ready` (free once it is done), so Triton's driver, which
+# Triton creates lazily and without a lock, is created by that one thread: two threads creating
+# it at once, as a pool thread and the main thread could before, each built the helper module.
+_runtime: concurrent.futures.Future | None = None
+_workers_started = False
+_runtime_lock = threading.Lock()
+
+
+def start_runtime(with_workers: bool) -> None:
+    """Start Triton's one-time start-up on the compile pool and return at once (Note [Triton's
+    start-up]); with `with_workers`, start the compile worker processes too. Does nothing once
+    started, or where compiles are not concurrent."""
+    global _runtime, _workers_started
+    if (_runtime is not None and (_workers_started or not with_workers)) or (
+        not concurrent_enabled()
+    ):
+        return
+    with _runtime_lock:
+        if _runtime is None:
+            _runtime = _executor().submit(_start_runtime, torch.cuda.current_device())
+        if with_workers and not _workers_started:
+            _workers_started = True
+            if workers.enabled():
+                _executor().submit(workers.start)
+
+
+def _start_runtime(device: int) -> None:
+    from triton.runtime.driver import driver
+
+    with torch.cuda.device(device):
+        driver.active.get_current_device()  # creates the driver, with its C helper module
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:  # another Triton: it computes its key where it needs it
+        return
+    triton_key()
+
+
+def runtime_ready() -> None:
+    """Wait until the start-up `start_runtime` began has finished (at once if none was begun or
+    it is done); a start-up that failed is left to the first compile, which reports any error."""
+    future = _runtime
+    if future is not None and not future.done():
+        with contextlib.suppress(Exception):
+            future.result()
 
 
 _background: dict[tuple, concurrent.futures.Future] = {}
@@ -323,6 +382,7 @@ class DirectLaunch:
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)  # it indexes 3 dims
 
     def _jit(self, grid: tuple[int, ...], args: list | tuple) -> Any:
+        runtime_ready()
         return self.kernel[grid](
             *args, num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs
         )

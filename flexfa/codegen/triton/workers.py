@@ -211,6 +211,13 @@ def _get_pool() -> _Pool | None:
         return _pool
 
 
+def start() -> None:
+    """Start the worker processes now, if they are enabled and not running, so that they are
+    ready when the first compile job comes (Note [Triton's start-up] in launch.py)."""
+    if enabled():
+        _get_pool()
+
+
 def enabled() -> bool:
     return config.compile_workers > 0 and not _given_up
 

@@ -82,3 +82,49 @@ def test_a_failed_background_compile_leaves_the_launch_to_compile(concurrent, ca
     # Ready to launch: the launch compiles it again and reports any error itself.
     assert not launch_mod.compiling_in_background(key, "demo", None, warm)
     assert key not in launch_mod._background
+
+
+def test_triton_start_up_runs_once_off_thread_and_compiles_wait_for_it(
+    concurrent, monkeypatch
+) -> None:
+    """Note [Triton's start-up]: one start-up on the pool, whatever the number of calls; compiles
+    and first launches wait for it; the worker processes start once, when asked for."""
+    release = threading.Event()
+    started, pools = [], []
+
+    def start_up(device: int) -> None:
+        started.append(threading.current_thread().name)
+        release.wait(10)
+
+    monkeypatch.setattr(launch_mod, "_runtime", None)
+    monkeypatch.setattr(launch_mod, "_workers_started", False)
+    monkeypatch.setattr(launch_mod, "_start_runtime", start_up)
+    monkeypatch.setattr(launch_mod.workers, "start", lambda: pools.append(1))
+    monkeypatch.setattr(launch_mod.workers, "enabled", lambda: True)
+    launch_mod.start_runtime(with_workers=False)
+    launch_mod.start_runtime(with_workers=False)
+    launch_mod.start_runtime(with_workers=True)
+    launch_mod.start_runtime(with_workers=True)
+    order = []
+
+    def first_launch() -> None:
+        order.append("launch")
+
+    waiter = threading.Thread(
+        target=lambda: launch_mod.run_logged(("start-up test",), "demo", first_launch)
+    )
+    waiter.start()
+    waiter.join(0.3)
+    assert waiter.is_alive() and order == [], "a first launch did not wait for the start-up"
+    order.append("start-up done")
+    release.set()
+    waiter.join(10)
+    launch_mod._runtime.result(10)
+    assert order == ["start-up done", "launch"]
+    assert len(started) == 1 and started[0] != threading.current_thread().name, started
+    for _ in range(50):  # the workers' start is queued behind the start-up on the pool
+        if pools:
+            break
+        threading.Event().wait(0.05)
+    assert pools == [1], f"worker processes started {len(pools)} times"
+    launch_mod.runtime_ready()  # done: returns at once
