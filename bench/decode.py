@@ -129,10 +129,19 @@ def main() -> None:
             q, k, v = inputs(lkv, lq)
             ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
             configs = [{}, dict(decode_merge="separate")]
-            for bn, st, w in ((64, 4, 4), (64, 3, 2), (128, 3, 4)):
+            for bn, st, w in (
+                (64, 4, 4),
+                (64, 3, 2),
+                (128, 3, 4),
+                (64, 3, 8),
+                (64, 4, 8),
+                (32, 4, 4),
+            ):
                 configs.append(dict(decode_block_n=bn, decode_num_stages=st, decode_num_warps=w))
-            for splits in (4, 6, 10, 12, 16):
+            for splits in (4, 5, 6, 10, 12, 16):
                 configs.append(dict(decode_splits=splits))
+            for extra in (dict(decode_num_warps=8), dict(decode_num_stages=4)):
+                configs.append(dict(decode_splits=4, **extra))
             results = []
             for opts in configs:
                 if time.perf_counter() - start > a.budget * 0.6:
