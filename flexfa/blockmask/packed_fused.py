@@ -171,6 +171,20 @@ def clear_memory_cache() -> None:
     _sources.clear()
 
 
+def specialization(args: tuple) -> tuple:
+    """What Triton specializes a kernel on among `args` (ints equal to 1 or divisible by 16,
+    pointers aligned to 16 bytes), for launch keys: lengths and offsets change from batch to
+    batch, and a launch whose specialization was not compiled yet must not wait for it (Note
+    [Concurrent compiles])."""
+    out = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a.data_ptr() % 16 == 0)
+        elif isinstance(a, int):
+            out.append((a == 1, a % 16 == 0))
+    return tuple(out)
+
+
 def build(
     traced: TracedMod, inner: TracedMod | None, grid: TileGrid, pack: Packing, rel: TileGrid
 ) -> BlockMask | None:
@@ -201,7 +215,7 @@ def build(
         out, pack.seq_q, pack.seq_kv, pack.cu_q, pack.cu_kv, grid.q_len, grid.kv_len,
         rel.q_len, rel.kv_len, nq, nkv, H, *k.args,
     )  # fmt: skip
-    fast_key = (id(k.kernel), str(grid.device), *constexprs.values())
+    fast_key = (id(k.kernel), str(grid.device), *constexprs.values(), specialization(args))
     label = f"packed block lists of {name}"
     kernel = k.kernel
     warm = lambda: kernel.warmup(*args, grid=(nq + nkv, H), **constexprs)
