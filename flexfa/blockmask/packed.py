@@ -27,7 +27,9 @@ of by the tiers of `create_block_mask` (Note [Packed block masks] there).
 # with b = the sequence, by the analysis of the mask_mod (`Analyzer`, Note [Tile analysis]) on a
 # grid as long as the longest sequences, kept per mask and grid. That is a fixed number of
 # vectorized torch operations, whatever the number of sequences, and no synchronization: the
-# lengths and the number of sequences are known on the host (`Packing`).
+# lengths and the number of sequences are known on the host (`Packing`). Where the fused path
+# runs, one generated kernel does all of it instead (Note [Packed block masks in one kernel] in
+# flexfa/blockmask/packed_fused.py), for the masks it can take.
 #
 # Two kinds of mask_mod take the general path when the analysis is not enough, found with one
 # synchronization that only they pay:

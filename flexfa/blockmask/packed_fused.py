@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import logging
 from typing import TYPE_CHECKING, Any
@@ -80,6 +81,14 @@ _KERNELS_KEPT = 8
 _sources: dict[tuple, tuple[str, str]] = {}
 
 
+@functools.lru_cache(maxsize=1)
+def _versions() -> str:
+    from flexfa.codegen.triton.module import TEMPLATE_DIR
+
+    h = hashlib.sha256((TEMPLATE_DIR / _TEMPLATE).read_bytes())
+    return f"{fused._versions()}:{h.hexdigest()[:16]}"
+
+
 def _source(key: tuple, render) -> tuple[str, str]:
     hit = _sources.get(key)
     if hit is None:
@@ -100,7 +109,7 @@ def _make(inner: TracedMod | None, rel: TileGrid) -> Kernel:
     """The kernel of `inner` (None: no mask) on sequences of the relative grid `rel`."""
     if inner is None:
         source = _source(
-            ("none", fused._versions()),
+            ("none", _versions()),
             lambda: render_module(
                 _TEMPLATE, "", params="", args="", capture_params="", capture_call_args="", body=""
             ),
@@ -143,7 +152,7 @@ def _make(inner: TracedMod | None, rel: TileGrid) -> Kernel:
             root=body.root,
         )
 
-    source = _source((inner.key, plan.shape_key, descs, fused._versions()), render)
+    source = _source((inner.key, plan.shape_key, descs, _versions()), render)
     kernel = fused._kernel(*source, "packed", "flexfa_packed_lists")
     kernel_lines = any(isinstance(d, KernelLineInput) for d in descs)
     return Kernel(kernel, (*args.values, *capture_values(inner.tensors)), kernel_lines)

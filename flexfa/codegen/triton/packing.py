@@ -12,7 +12,8 @@ from flexfa.codegen.triton.launch import compiling_in_background, run_logged
 _BLOCK = 1024
 
 
-@triton.jit
+# Lengths change from batch to batch: no specialization on them, so no batch compiles again.
+@triton.jit(do_not_specialize=["total", "num_seqs", "top", "steps"])
 def flexfa_packed_positions(cu, seq, pos, total, num_seqs, top, steps, BLOCK: tl.constexpr):
     """seq[t] = the largest s < num_seqs with cu[s] <= t (binary search, steps top, top / 2, ...,
     1), pos[t] = t - cu[seq[t]], for the tokens t < total of this program's block."""
