@@ -200,8 +200,14 @@ def build(
     """The BlockMask of the packed mask `traced` on `grid` from one kernel (Note [Packed block
     masks in one kernel]), or None when the torch builder must make it. `inner` is the user's
     mask_mod, traced (None: no mask), `rel` the grid of its analysis."""
-    k = kernel_for(inner, rel)
     name = traced.name
+    dev = grid.device
+    if dev.type == "cuda" and dev.index != torch.cuda.current_device():
+        log.debug(
+            "flexfa: packed block mask of %s takes the torch builder: not the current GPU", name
+        )
+        return None  # launches go to the current device
+    k = kernel_for(inner, rel)
     if k.kernel is None:
         log.debug("flexfa: packed block mask of %s takes the torch builder: %s", name, k.reason)
         return None

@@ -31,7 +31,10 @@ def flexfa_packed_positions(cu, seq, pos, total, num_seqs, top, steps, BLOCK: tl
 
 def positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(seq, pos) of the tokens of offsets `cu` (int32, validated, summing to `total`), or None
-    while the kernel compiles in the background (the caller then computes them with torch)."""
+    while the kernel compiles in the background or `cu` is not on the current device (the caller
+    then computes them with torch)."""
+    if cu.device.type == "cuda" and cu.device.index != torch.cuda.current_device():
+        return None  # launches go to the current device
     num_seqs = cu.numel() - 1
     top = 1 << ((num_seqs - 1).bit_length() - 1) if num_seqs > 1 else 0
     steps = top.bit_length()
