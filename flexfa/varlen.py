@@ -37,6 +37,17 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # here, where the packing is known; the tile logic in flexfa/blockmask/packed.py, beside the
 # analysis it runs. The builder answers only for the tensors of its own packing: a trace with
 # other tensors bound (torch.compile rebinds a described trace's captures) takes the general path.
+# On a GPU that builder is one generated kernel (Note [Packed block masks in one kernel] in
+# flexfa/blockmask/packed_fused.py).
+#
+# Note [Packed positions in one kernel]
+# seq and pos of a new batch took five torch operations (repeat_interleave, which is more than one
+# launch on CUDA, a difference, an arange, a gather and another difference), each a launch that
+# costs more than the work. Where the fused block-mask kernels run, one static Triton kernel
+# writes both: a binary search of each token in the offsets (log2 B loads per token). Its first
+# use compiles it in the background while the torch operations answer (Note [Concurrent
+# compiles]). With the host copy of the offsets (one synchronization) and the packed BlockMask
+# (one launch), a new batch costs about three device operations before its attention kernels.
 """
 
 from __future__ import annotations
@@ -91,7 +102,16 @@ _packings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
 
 def _positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seq, pos) of every token, int32, without synchronizing (`total` is known)."""
+    """(seq, pos) of every token, int32, without synchronizing (`total` is known): one kernel
+    where the fused block-mask kernels run (Note [Packed positions in one kernel])."""
+    from flexfa.blockmask.build import _use_fused
+
+    if _use_fused(cu.device):
+        from flexfa.codegen.triton import packing as kernels
+
+        found = kernels.positions(cu, total)
+        if found is not None:
+            return found
     seq = torch.repeat_interleave(cu[1:] - cu[:-1], output_size=total)
     pos = torch.arange(total, device=cu.device, dtype=torch.int32) - cu[seq]
     return seq, pos

@@ -116,19 +116,28 @@ _sources: dict[tuple, tuple[str, str]] = {}
 _lock = threading.Lock()
 
 
-def _kernel(source: str, digest: str):
-    """The kernel of `source` (whose sha256 is `digest`), cached by Note [Disk caches]."""
+def _kernel(source: str, digest: str, entry: str = "lists", kernel: str = "flexfa_block_lists"):
+    """The kernel named `kernel` of `source` (whose sha256 is `digest`), cached by Note [Disk
+    caches] as `entry`_<digest>."""
     with _lock:
         mod = _modules.get(digest)
         if mod is None:
             mod = diskcache.load_generated(
                 "blockmask",
-                f"lists_{digest[:24]}",
+                f"{entry}_{digest[:24]}",
                 lambda: source,
-                f"flexfa_block_lists_{digest[:24]}",
+                f"{kernel}_{digest[:24]}",
             ).module
             _modules[digest] = mod
-    return mod.flexfa_block_lists
+    return getattr(mod, kernel)
+
+
+def prefix_sums(line: _Line, node, device: torch.device) -> torch.Tensor:
+    """The prefix sums of a bool of q_idx - kv_idx along its line, int32 [b, h, U + 1]."""
+    values = line.value(node)
+    prefix = torch.zeros(*values.shape[:-1], values.shape[-1] + 1, dtype=torch.int32, device=device)
+    torch.cumsum(values, -1, dtype=torch.int32, out=prefix[..., 1:])
+    return prefix
 
 
 def clear_memory_cache() -> None:
@@ -195,11 +204,7 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
         if line is None:
             line = lines[sig] = _Line(sig, mask, grid)
         if step.how is How.PREFIX:
-            values = line.value(n)
-            prefix = torch.zeros(
-                *values.shape[:-1], values.shape[-1] + 1, dtype=torch.int32, device=grid.device
-            )
-            torch.cumsum(values, -1, dtype=torch.int32, out=prefix[..., 1:])
+            prefix = prefix_sums(line, n, grid.device)
             inputs[id(n)] = (PrefixInput(), (args.prefix_tensor(prefix),))
             continue
         if ts is None:

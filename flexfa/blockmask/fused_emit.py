@@ -54,6 +54,9 @@ class _Emitter:
         self.values: dict[int, _T | _I] = {}
         self.functions: list[tuple[str, Node]] = []  # device functions of KLINE nodes
         self.capture_args = ""
+        # `b` where a KLINE node's device function meets [CHUNK, block] positions: a scalar in
+        # the fused kernel, a column of the tiles' sequences in the packed one.
+        self.line_b = "b"
 
     def emit(self, oob: tuple[str, ...]) -> str:
         for k, step in enumerate(self.plan.steps):
@@ -120,17 +123,18 @@ class _Emitter:
         pos, ok, hi = ("q_pos", "q_ok", "q_hi") if sig is Sig.Q else ("kv_pos", "kv_ok", "kv_hi")
         args = f"{pos}, origin" if sig is Sig.Q else f"origin, {pos}"
         nxt = f"{pos} + 1, origin" if sig is Sig.Q else f"origin, {pos} + 1"
+        b = self.line_b
         self._out(
-            f"{v}_x = {fn}(b, h, {args}{self.capture_args}) & ({ok} | ~{ok})"
+            f"{v}_x = {fn}({b}, h, {args}{self.capture_args}) & ({ok} | ~{ok})"
             if n.dtype.is_bool
-            else f"{v}_x = {fn}(b, h, {args}{self.capture_args}) + 0 * {pos}"
+            else f"{v}_x = {fn}({b}, h, {args}{self.capture_args}) + 0 * {pos}"
         )
         if n.dtype.is_bool:
             self._out(f"{v}_n = tl.sum(({v}_x & {ok}).to(tl.int32), 1)")
             self._out(f"{v}_len = tl.sum({ok}.to(tl.int32), 1)")
             return self._truth(v, f"{v}_n > 0", f"{v}_n < {v}_len", f"{v}_t & {v}_f")
         big = "2147483647" if n.dtype is DType.INT32 else "tl.full([], 2**62, tl.int64)"
-        self._out(f"{v}_y = {fn}(b, h, {nxt}{self.capture_args}) + 0 * {pos}")
+        self._out(f"{v}_y = {fn}({b}, h, {nxt}{self.capture_args}) + 0 * {pos}")
         self._out(f"{v}_mn = tl.min(tl.where({ok}, {v}_x, {big}), 1)")
         self._out(f"{v}_mx = tl.max(tl.where({ok}, {v}_x, -{big}), 1)")
         self._out(f"{v}_step = tl.where({pos} + 1 <= {hi}[:, None], {v}_y - {v}_x, 0)")
@@ -287,33 +291,65 @@ _WITNESSES = (
 )
 
 
-def render(
-    mask: TracedMod, plan: Plan, inputs: dict, oob: tuple[str, ...], names: list[str]
-) -> str:
-    """The module: prelude, the mask_mod as a device function, the kernel for this plan."""
-    from flexfa import __version__
-    from flexfa.codegen.triton import emit, module
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """A mask's abstract program as Triton code: the mask_mod's device function and those of its
+    KLINE nodes (`functions`), the body's lines, the root truth's name, and the captures'
+    parameter names."""
+
+    functions: str
+    mask_fn: str
+    lines: tuple[str, ...]
+    root: str
+    captures: tuple[str, ...]
+
+
+def emit_body(
+    mask: TracedMod, plan: Plan, inputs: dict, oob: tuple[str, ...], line_b: str = "b"
+) -> Body:
+    """The body of a kernel that bounds `mask` on rectangles (q_lo..q_hi, kv_lo..kv_hi) of plane
+    (b, h); `line_b` is `b` as KLINE nodes' device functions take it."""
+    from flexfa.codegen.triton import emit
 
     emitter = _Emitter(plan, inputs, mask.output)
+    emitter.line_b = line_b
     fn = emit.emit_mod(mask, f"mask_mod_{mask.name}")
-    captures = [f"mm_{p}" for p in fn.params]
+    captures = tuple(f"mm_{p}" for p in fn.params)
     emitter.capture_args = "".join(f", {n}" for n in captures)
     root = emitter.emit(oob)
-    env = module.jinja_environment()
     lines_src = "".join(
         "\n\n" + emit.emit_mod(dataclasses.replace(mask, output=node), name).source
         for name, node in emitter.functions
     )
-    kernel = env.get_template("block_lists.py.jinja").render(
+    return Body(fn.source + lines_src, fn.name, tuple(emitter.lines), root, captures)
+
+
+def render_module(template: str, functions: str, **values: object) -> str:
+    """The module: the prelude, `functions` (device functions), then `template` rendered."""
+    from flexfa import __version__
+    from flexfa.codegen.triton import module
+
+    env = module.jinja_environment()
+    kernel = env.get_template(template).render(**values)
+    prelude = env.get_template("prelude.py.jinja").render(flexfa_version=__version__)
+    return prelude + "\n\n" + functions + kernel
+
+
+def render(
+    mask: TracedMod, plan: Plan, inputs: dict, oob: tuple[str, ...], names: list[str]
+) -> str:
+    """The module: prelude, the mask_mod as a device function, the kernel for this plan."""
+    body = emit_body(mask, plan, inputs, oob)
+    return render_module(
+        "block_lists.py.jinja",
+        body.functions,
         params="".join(f"\n    {n}," for n in names),
         args="".join(f"\n                {n}," for n in names),
-        capture_params="".join(f"\n    {n}," for n in captures),
-        capture_call_args="".join(f"\n                {n}," for n in captures),
-        capture_args="".join(f", {n}" for n in captures),
-        mask_fn=fn.name,
+        capture_params="".join(f"\n    {n}," for n in body.captures),
+        capture_call_args="".join(f"\n                {n}," for n in body.captures),
+        capture_args="".join(f", {n}" for n in body.captures),
+        mask_fn=body.mask_fn,
         witnesses=_WITNESSES,
-        body="\n    ".join(emitter.lines),
-        root=root,
+        body="\n    ".join(body.lines),
+        root=body.root,
     )
-    prelude = env.get_template("prelude.py.jinja").render(flexfa_version=__version__)
-    return prelude + "\n\n" + fn.source + lines_src + kernel

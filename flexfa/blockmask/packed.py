@@ -27,7 +27,9 @@ of by the tiers of `create_block_mask` (Note [Packed block masks] there).
 # with b = the sequence, by the analysis of the mask_mod (`Analyzer`, Note [Tile analysis]) on a
 # grid as long as the longest sequences, kept per mask and grid. That is a fixed number of
 # vectorized torch operations, whatever the number of sequences, and no synchronization: the
-# lengths and the number of sequences are known on the host (`Packing`).
+# lengths and the number of sequences are known on the host (`Packing`). Where the fused path
+# runs, one generated kernel does all of it instead (Note [Packed block masks in one kernel] in
+# flexfa/blockmask/packed_fused.py), for the masks it can take.
 #
 # Two kinds of mask_mod take the general path when the analysis is not enough, found with one
 # synchronization that only they pay:
@@ -60,7 +62,8 @@ from flexfa.ir.nodes import COMPARE_OPS, Op
 if TYPE_CHECKING:
     from flexfa.varlen import Packing
 
-# How many packed masks were built here; tests read it to see that the general path was not taken.
+# How many packed masks were built here ("packed"), and how many of them by the kernel ("kernel");
+# tests read it to see that the general path was not taken.
 built = collections.Counter()
 
 _ANALYZERS: collections.OrderedDict[tuple, tuple[Analyzer, bool]] = collections.OrderedDict()
@@ -85,11 +88,21 @@ def packed_block_mask(
     if any(id(t) not in own for t in traced.tensors):
         return None  # other tensors bound to the trace (torch.compile rebinds captures)
     analyzer, check = None, False
-    if inner is not None and not inner.is_trivially_true:
-        found = _analyzer(inner, grid, pack)
-        if found is None:
-            return None
-        analyzer, check = found
+    if inner is not None and inner.is_trivially_true:
+        inner = None
+    rel = _relative_grid(inner, grid, pack)
+    if rel is None:
+        return None
+    if inner is not None:
+        analyzer, check = _analyzer(inner, rel)
+    if not check and _use_kernel(grid.device):  # Note [Packed block masks in one kernel]
+        from flexfa.blockmask import packed_fused
+
+        bm = packed_fused.build(traced, inner, grid, pack, rel)
+        if bm is not None:
+            built["packed"] += 1
+            built["kernel"] += 1
+            return bm
     ends_q, ends_kv, sides, heads = _geometry(grid)
     # The sequences of the first and last token of every q-block and kv-block, [2, nq], [2, nkv].
     sq, sk = pack.seq_q[ends_q], pack.seq_kv[ends_kv]
@@ -186,17 +199,22 @@ def _geometry(
     return torch.stack([q_lo, q_hi]), torch.stack([kv_lo, kv_hi]), sides, heads
 
 
-def _analyzer(inner: TracedMod, grid: TileGrid, pack: Packing) -> tuple[Analyzer, bool] | None:
-    """The analysis of the user's mask_mod on relative positions and whether its result must be
-    checked (kept per mask, captured tensors and lengths), or None when its lines would cost too
-    much (Note [Tiles of a packed mask])."""
-    batch = pack.num_seqs if "b" in inner.variables else 1
+def _relative_grid(inner: TracedMod | None, grid: TileGrid, pack: Packing) -> TileGrid | None:
+    """The grid of the analysis of the user's mask_mod on relative positions: one batch element
+    per sequence if it reads `b`, as long as the longest sequences; None when its lines would cost
+    too much (Note [Tiles of a packed mask])."""
+    batch = pack.num_seqs if inner is not None and "b" in inner.variables else 1
     q_len, kv_len = max(1, *pack.lengths_q), max(1, *pack.lengths_kv)
     if batch > 1:
         cost = batch * (q_len + kv_len)
         if cost > _LINE_GROWTH * (grid.q_len + grid.kv_len) + _LINE_ALLOWANCE:
             return None
-    rel = TileGrid(batch, grid.heads, q_len, kv_len, grid.block_size, grid.device)
+    return TileGrid(batch, grid.heads, q_len, kv_len, grid.block_size, grid.device)
+
+
+def _analyzer(inner: TracedMod, rel: TileGrid) -> tuple[Analyzer, bool]:
+    """The analysis of the user's mask_mod on the relative grid `rel` and whether its result must
+    be checked (kept per mask, captured tensors and grid)."""
     key = (inner.key, tuple((id(t), t._version) for t in inner.tensors), rel)
     found = _ANALYZERS.get(key)  # its tensors are alive: their ids are theirs
     if found is None:
@@ -207,6 +225,14 @@ def _analyzer(inner: TracedMod, grid: TileGrid, pack: Packing) -> tuple[Analyzer
     else:
         _ANALYZERS.move_to_end(key)
     return found
+
+
+def _use_kernel(device: torch.device) -> bool:
+    """Whether to try the packed kernel: where the fused path runs (CUDA, or Triton's interpreter
+    when FLEXFA_FUSED_BLOCK_MASK=on)."""
+    from flexfa.blockmask.build import _use_fused
+
+    return _use_fused(device)
 
 
 def _needs_check(st: _Static) -> bool:

@@ -6,6 +6,7 @@ traces of packed mods (Note [Packed batches without retracing])."""
 from __future__ import annotations
 
 import collections
+import logging
 
 import pytest
 import torch
@@ -240,3 +241,197 @@ def test_packed_traces_equal_a_trace_and_are_not_retraced(inner):
         assert trace_mask_mod(mask).tensors[0] is pack.seq_q
         trace(score, "score_mod")
     assert traces.misses == misses
+
+
+# ------------------------------------------------------------------------------------------------
+# The packed kernel (Note [Packed block masks in one kernel]) and the positions kernel (Note
+# [Packed positions in one kernel]), through Triton's interpreter: the same lists as the torch
+# builder, which stays tested above (on the CPU it is what runs by default).
+# ------------------------------------------------------------------------------------------------
+
+_interpreted = pytest.mark.skipif(
+    not flexfa.config.triton_interpret, reason="the kernels run through Triton's interpreter"
+)
+_LISTS = ("kv_partial", "kv_full", "q_partial", "q_full")
+
+
+def _same_lists(got, want, where: str = "", kernel: bool = True) -> None:
+    """The lists of `got` are those of `want`; the kernel's are zero past their counts."""
+    for name in _LISTS:
+        g, w = getattr(got, name), getattr(want, name)
+        assert torch.equal(g.count, w.count), f"{where}: {name}.count differs"
+        listed = torch.arange(g.index.shape[-1]) < g.count[..., None]
+        assert torch.equal(g.index[listed], w.index[listed]), f"{where}: {name}.index differs"
+        if kernel:
+            assert not bool(g.index[~listed].any()), f"{where}: {name}.index not zero past count"
+
+
+def _both(inner, lens_q, lens_kv, heads=1, block=16):
+    """(the kernel's BlockMask or None if it was not used, the torch builder's, the mask_mod)."""
+    total_q, total_kv = sum(lens_q), sum(lens_kv)
+    cu_q = _offsets(lens_q)
+    cu_kv = cu_q if list(lens_kv) == list(lens_q) else _offsets(lens_kv)
+    with flexfa.config.override(fused_block_mask="on"):
+        pack = packing(cu_q, cu_kv, total_q, total_kv, _CPU)
+    _, mask = packed_mods(None, inner, pack, heads)
+    H = heads if "h" in trace_mask_mod(mask).variables else None
+    with flexfa.config.override(fused_block_mask="off"):
+        want = flexfa.create_block_mask(mask, 1, H, total_q, total_kv, BLOCK_SIZE=block)
+    before = packed.built["kernel"]
+    with flexfa.config.override(fused_block_mask="on"):
+        got = flexfa.create_block_mask(mask, 1, H, total_q, total_kv, BLOCK_SIZE=block)
+    return (got if packed.built["kernel"] > before else None), want, mask
+
+
+@pytest.fixture
+def _cache_dir(tmp_path):
+    with flexfa.config.override(cache_dir=tmp_path):
+        yield
+
+
+def _windows(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= 2 * h + b)
+
+
+KERNEL_MASKS = {**LIBRARY, "windows per head and sequence": _windows}
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+@pytest.mark.parametrize("name", sorted(KERNEL_MASKS))
+@pytest.mark.parametrize("block", [16, 32, (8, 16)])
+def test_kernel_lists_equal_the_torch_builders(name, block):
+    inner = KERNEL_MASKS[name]
+    for lens_q, lens_kv in (
+        ([5, 0, 40, 1, 33, 17], [5, 0, 40, 1, 33, 17]),
+        ([9, 3, 0, 50], [1, 20, 6, 31]),
+        ([7, 1, 30, 12], [7, 1, 30, 12]),
+        ([3, 25, 1], [10, 2, 18]),
+    ):
+        got, want, mask = _both(inner, lens_q, lens_kv, heads=3, block=block)
+        where = f"{name} lens_q={lens_q} lens_kv={lens_kv} block={block}"
+        assert got is not None, where
+        oracle.check_invariants(got)
+        _same_lists(got, want, where)
+        H = got.heads
+        expect = oracle.expected_states(mask, 1, H, sum(lens_q), sum(lens_kv), BlockSize.of(block))
+        states = oracle.states_of(got, 1, H)
+        full, empty = int(TileState.FULL), int(TileState.EMPTY)
+        wrong = ((states == full) & (expect != full)) | ((states == empty) & (expect != empty))
+        assert not bool(wrong.any()), where
+        if min(lens_q + lens_kv) > 0:  # Note [Tiles of a packed mask]: exact there
+            assert torch.equal(states, expect), where
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+@settings(max_examples=examples(25), **_SETTINGS)
+@given(packings(), st.sampled_from(sorted(LIBRARY)), st.sampled_from([16, 32, (16, 8)]))
+def test_kernel_on_random_offsets(lens, name, block):
+    lens_q, lens_kv = lens
+    got, want, _ = _both(LIBRARY[name], lens_q, lens_kv, block=block)
+    assert got is not None
+    _same_lists(got, want, f"{name} lens_q={lens_q} lens_kv={lens_kv} block={block}")
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+def test_masks_the_kernel_cannot_take_fall_back_as_before(caplog):
+    def half(b, h, q_idx, kv_idx):  # a float q-line: summarized per grid tile
+        return q_idx * 0.5 >= kv_idx
+
+    keep = torch.tensor([3, 0, 50, 1], dtype=torch.int32)
+
+    def key_padding(b, h, q_idx, kv_idx):  # reads a tensor: checked, by the torch builder
+        return kv_idx < keep[b]
+
+    lens = [9, 4, 60, 2]
+    for inner in (half, key_padding):
+        with caplog.at_level(logging.DEBUG, logger="flexfa"):
+            got, want, mask = _both(inner, lens, lens, block=16)
+        assert got is None, inner.__name__
+        with flexfa.config.override(fused_block_mask="on"):
+            again = flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens), BLOCK_SIZE=16)
+        _same_lists(again, want, inner.__name__, kernel=False)
+    assert "a line summarized per tile" in caplog.text
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+def test_a_cold_kernel_compiles_in_the_background_while_torch_builds(monkeypatch):
+    from flexfa.blockmask import packed_fused
+    from flexfa.codegen.triton import packing as positions
+
+    states = iter([True, False])
+    seen = []
+
+    def compiling(fast_key, label, kernel, warm):
+        seen.append(label)
+        return next(states)
+
+    monkeypatch.setattr(packed_fused, "compiling_in_background", compiling)
+    monkeypatch.setattr(positions, "compiling_in_background", lambda *a: True)
+    lens = [20, 0, 35, 1, 12]
+    first, want, _ = _both(fm.causal, lens, lens)
+    assert first is None  # the torch builder answered meanwhile
+    second, _, _ = _both(fm.causal, lens, lens)
+    assert second is not None
+    assert seen == ["packed block lists of packed_causal"] * 2
+    _same_lists(second, want)
+
+
+@_interpreted
+@settings(max_examples=examples(30), **_SETTINGS)
+@given(st.lists(lengths, min_size=1, max_size=9).filter(lambda x: sum(x) > 0))
+def test_positions_kernel(lens):
+    from flexfa import varlen
+    from flexfa.codegen.triton import packing as positions
+
+    cu = _offsets(lens)
+    with flexfa.config.override(fused_block_mask="off"):
+        want = varlen._positions(cu, sum(lens))
+    got = positions.positions(cu, sum(lens))
+    assert got is not None
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype == torch.int32
+        assert torch.equal(g, w), lens
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+def test_a_new_batch_is_two_launches_and_no_other_operation(monkeypatch):
+    """With the kernels, a new batch's packing and BlockMask run no torch operation on the device
+    (allocations aside) and launch two kernels: positions and block lists."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from flexfa.blockmask import packed_fused
+    from flexfa.codegen.triton import packing as positions
+
+    launches = []
+    for module in (packed_fused, positions):
+        run = module.run_logged
+
+        def counted(fast_key, label, fn, run=run):
+            launches.append(label)
+            with _disable_current_modes():  # the interpreter's own copies are no launches
+                run(fast_key, label, fn)
+
+        monkeypatch.setattr(module, "run_logged", counted)
+    lens = [32, 512, 64, 187, 375, 43, 256, 162]
+    cu = _offsets(lens)
+    with flexfa.config.override(fused_block_mask="on"):
+        for inner in (fm.causal, fm.sliding_window(64), None):
+            for _ in range(2):  # the first warms the caches
+                launches.clear()
+                fresh = cu.clone()
+                with _Ops() as seen:
+                    pack = packing(fresh, fresh, sum(lens), sum(lens), _CPU)
+                    _, mask = packed_mods(None, inner, pack, 16)
+                    flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens))
+            assert sorted(launches) == [
+                "packed block lists of " + mask.__name__,
+                "packed positions",
+            ]
+            assert set(seen.ops) <= {"empty", "empty_strided", "split_with_sizes", "split"}, (
+                seen.ops
+            )
