@@ -104,6 +104,8 @@ def attention(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
+    if isinstance(q, torch.Tensor) and q.is_cuda:  # Note [Triton's start-up]
+        _start_triton(_needs_grad(q, k, v))
     packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
         score_mod, block_mask, packed = _packed(
@@ -144,10 +146,6 @@ def attention(
     if found is not None:
         spec, impl = found[0], found[1]
     else:
-        if q.is_cuda:  # Note [Triton's start-up]
-            from flexfa.codegen.triton.launch import start_runtime
-
-            start_runtime(with_workers=_needs_grad(q, k, v))
         spec = build_spec(
             q,
             k,
@@ -199,6 +197,12 @@ def attention(
 _memo: dict[tuple, tuple] = {}
 _MEMO_SIZE = 16
 _UNTRACED = object()  # build_spec traces the score_mod itself
+
+
+def _start_triton(with_workers: bool) -> None:
+    from flexfa.codegen.triton.launch import start_runtime
+
+    start_runtime(with_workers)
 
 
 def _needs_grad(q, k, v) -> bool:

@@ -154,9 +154,10 @@ def _compile_and_load(label: str, device: int, kernel: Any, warm: Callable[[], A
 # the H200) and creating its CUDA driver, which builds Triton's C helper module with the host
 # compiler when Triton's cache is cold (0.38 s). In a cold first call the main thread met both
 # inside the forward's compile, on the call's critical path (docs/performance.md, "Where a cold
-# first call goes"). `start_runtime`, called when a call on CUDA starts that the call memo has
-# not seen, does them on the compile pool, and starts the compile workers when the call will
-# have background compiles, while the call traces its mods and builds its block mask. Every
+# first call goes"). `start_runtime`, called as a call on CUDA (or a block mask built with the
+# fused kernels) begins, does them on the compile pool, and starts the compile workers when the
+# call will have background compiles, while the call traces its mods and builds its block mask
+# (after the first, it returns at its first test). Every
 # flexfa path into Triton (a first launch, a compile on the pool, a direct launch's first call)
 # waits for it first with `runtime_ready` (free once it is done), so Triton's driver, which
 # Triton creates lazily and without a lock, is created by that one thread: two threads creating
