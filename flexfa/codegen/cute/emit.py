@@ -233,9 +233,17 @@ class AuxLayout:
         grads = [(DType.FLOAT32, entry(self.score_captures[s])[1]) for s in self.grad_slots]
         return (*caps, *grads)
 
+    @functools.cached_property
+    def _addresses(self) -> tuple[int, ...]:
+        starts, at = [], self.lifted
+        for _, rank in self.tensors:
+            starts.append(at)
+            at += 1 + rank
+        return (*starts, at)
+
     def address(self, position: int) -> int:
         """The index in `aux_scalars` of the address of the tensor at `position`."""
-        return self.lifted + sum(1 + rank for _, rank in self.tensors[:position])
+        return self._addresses[position]
 
     def size(self, position: int, dim: int) -> int:
         """The index in `aux_scalars` of size `dim` of the tensor at `position`."""

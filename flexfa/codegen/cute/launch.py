@@ -69,9 +69,12 @@ def captured_tensor(t: torch.Tensor) -> torch.Tensor:
 def _address(t: torch.Tensor) -> int:
     """`t`'s device address; 0 for a fake tensor (a compile without a GPU, offline.py: FA4 keys
     its kernels by the scalars' types, so the value is never used)."""
-    from torch._subclasses.fake_tensor import is_fake
+    if type(t) is not torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
 
-    return 0 if is_fake(t) else t.data_ptr()
+        if is_fake(t):
+            return 0
+    return t.data_ptr()
 
 
 def aux_scalars(
@@ -95,7 +98,9 @@ def aux_scalars(
         assert len(scalars) == aux.address(position)
         stored = _STORED_AS.get(dtype.torch, dtype.torch)
         assert t.dtype == stored and t.ndim == rank, (position, t.dtype, t.shape, dtype, rank)
-        assert row_major(t) is t and t.numel() < 2**31, (t.shape, t.stride())
+        # Contiguous is enough: the hooks index with the strides of the sizes, and a size-1 dim
+        # is only ever indexed at 0.
+        assert t.is_contiguous() and t.numel() < 2**31, (t.shape, t.stride())
         scalars.append(cutlass.Int64(_address(t)))
         scalars.extend(cutlass.Int32(n) for n in t.shape)
     return tuple(scalars)
