@@ -28,7 +28,8 @@ from flexfa.spec import AttentionSpec
 # The versions this backend was written and tested against (the extra in pyproject.toml pins them).
 TESTED_FA4 = "4.0.0b36"
 _DTYPES = (torch.float16, torch.bfloat16)
-# dtypes FA4 accepts as aux tensors (bool captures travel as uint8).
+# dtypes the generated hooks read captured tensors in (bool captures travel as uint8, int8, uint8
+# and int16 ones as int32: Note [Captured tensors by address] in flexfa/codegen/cute/emit.py).
 _CAPTURE_DTYPES = (
     torch.float16,
     torch.bfloat16,
@@ -211,7 +212,7 @@ class Fa4Backend(Backend):
                 if t.dtype not in _CAPTURE_DTYPES:
                     return Support.no(
                         f"{traced.kind} {traced.name!r} captures {cap.name!r} of dtype {t.dtype}, "
-                        "which FA4's aux tensors cannot carry"
+                        "which the generated FA4 hooks cannot read"
                     )
         if spec.deterministic and spec.score_grad_slots:
             return Support.no(

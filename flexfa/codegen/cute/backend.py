@@ -169,10 +169,11 @@ def plan_call(
 # document mask: a tile never crosses a sequence, and each sequence gets FA4's native mask. Their
 # hooks see what the user's mods expect (FA4's seqlen_info and tile schedulers): `b` is the
 # sequence index and q_idx, kv_idx count from the sequence's start (the score_mod's indices are
-# the tile's offsets within its sequence; with aux tensors FA4 wraps them modulo the sequence's
-# own lengths, which leaves in-range positions as they are). So the fa4 backend runs a packed call
-# there, with the user's own mods as traced (`AttentionSpec.packed`), not the rewritten ones,
-# forward and backward, captured-tensor gradients as for any call, when all of these hold:
+# the tile's offsets within its sequence; positions past a sequence's end reach the hooks as
+# they are, and FA4 masks them: Note [Captured tensors by address] in emit.py). So the fa4 backend
+# runs a packed call there, with the user's own mods as traced (`AttentionSpec.packed`), not the
+# rewritten ones, forward and backward, captured-tensor gradients as for any call, when all of
+# these hold:
 #   - the inner mask is proven to be one native mask of FA4's for every sequence (no mask,
 #     causal, a window: Note [Native masks per packed sequence] in plan.py): FA4's varlen
 #     backward takes no block-sparse lists, so other masks stay on the concatenation;
@@ -350,7 +351,7 @@ def _pad_head_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 def forward(call: Call, q, k, v, score_tensors) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4's forward for one planned call: (out [B, Hq, Lq, Ev] in q's stride order, lse)."""
-    aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
+    tensors = [launch.captured_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
     B, Hq, Lq, _ = q.shape
     out = empty_like_query(q, (B, Hq, Lq, v.shape[-1]))  # Note [Output layout]
     return launch.forward(
@@ -361,7 +362,7 @@ def forward(call: Call, q, k, v, score_tensors) -> tuple[torch.Tensor, torch.Ten
         scale=call.scale,
         lowering=call.lowering,
         hooks=call.hooks,
-        aux_tensors=aux,
+        tensors=tensors,
         block_sparse=call.fwd_sparse,
         scalars=call.scalars,
         sequences=call.sequences,
@@ -379,8 +380,8 @@ def backward(
         torch.zeros(score_tensors[s].shape, dtype=torch.float32, device=q.device)
         for s in call.grad_slots
     ]
-    aux = [launch.aux_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
-    aux += [launch.with_leading_dim(g.reshape(1) if g.ndim == 0 else g) for g in grads]
+    tensors = [launch.captured_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
+    tensors += [g.reshape(1) if g.ndim == 0 else g for g in grads]
     head_dim, head_dim_v = q.shape[-1], v.shape[-1]
     if call.bwd_head_dim is not None:  # Note [Padded backward]
         q, k, v, out, dout = (_pad_head_dim(t, call.bwd_head_dim) for t in (q, k, v, out, dout))
@@ -398,7 +399,7 @@ def backward(
         scale=call.scale,
         lowering=call.bwd_lowering,
         hooks=call.hooks,
-        aux_tensors=aux,
+        tensors=tensors,
         deterministic=call.deterministic,
         block_sparse=call.bwd_sparse,
         scalars=call.scalars,

@@ -1,31 +1,77 @@
 """IR -> CuTe DSL: each traced mod becomes a named `@cute.jit` function in FlashAttention-4's hook
 signatures, so that FA4's own kernel templates compile it in.
 
-Signatures (fixed by FA4; its kernels call the functions positionally):
+Signatures (fixed by FA4; its kernels call the functions positionally, then `aux_scalars` by
+keyword):
 
-    score_mod      <name>(score_ssa, b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors)
-                                                                        -> new score (TensorSSA)
-    mask_mod       <name>(b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors)  -> bool (TensorSSA)
-    score_mod_bwd  <name>(grad_ssa, score_ssa, b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors)
-                                                           -> grad * d new_score / d score (TensorSSA)
+    score_mod      <name>(score_ssa, b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors,
+                          aux_scalars)                                  -> new score (TensorSSA)
+    mask_mod       <name>(b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info, aux_tensors, aux_scalars)
+                                                                              -> bool (TensorSSA)
+    score_mod_bwd  <name>(grad_ssa, score_ssa, b_ssa, h_ssa, q_ssa, kv_ssa, seqlen_info,
+                          aux_tensors, aux_scalars)  -> grad * d new_score / d score (TensorSSA)
 
 The arguments are TensorSSA vectors of a length FA4 picks per kernel (1 to 4): for each element,
 the body reads the scalars, computes in scalars (one SSA line per IR node, named t0, t1, ..., as
 in the Triton backend) and stores the result; the function returns the results as a vector. `score` is the scaled
 score (FA4 multiplies by softmax_scale before calling the mod, which is flexfa's semantics too).
 
-Captured tensors arrive in `aux_tensors`, in a fixed order (`AuxLayout`): the score_mod's captures,
-then the mask_mod's, then one float32 gradient buffer per score_mod capture that needs a gradient.
-FA4 passes the same list to every hook, so each function reads its own entries by position.
+flexfa passes FA4 no `aux_tensors` (the hooks ignore that parameter): captured tensors arrive by
+address in `aux_scalars`, after the lifted floats, in a fixed order (`AuxLayout`): the score_mod's
+captures, then the mask_mod's, then one float32 gradient buffer per score_mod capture that needs a
+gradient, each as its address and sizes (Note [Captured tensors by address]). FA4 passes the same
+tuple to every hook, so each function builds views of its own entries by position.
+
+# Note [Captured tensors by address]
+# FA4 threads `aux_tensors` to its hooks, and a call that passes any pays for it in every score
+# element: so that a hook indexing an aux tensor by q_idx or kv_idx never reads out of bounds, FA4
+# wraps both indices of every element with a fast divmod by the sequence lengths (softmax.py's
+# `apply_score_mod_inner`, mask.py, its `compute_fastdiv_mods`), and on sm90 it calls the hooks one
+# element at a time (`__vec_size__` 1 in the forward, 1 instead of 4 in the backward). torch's
+# FLASH backend of FlexAttention passes its captured tensors that way, so flexfa tied it (0.98x
+# forward on ALiBi + causal). flexfa's loads guard their own bounds, so that work bought nothing:
+# FA4's sm90 forward with `s + slopes[h] * (kv - q)` (a captured (16,) tensor) and a causal mask
+# compiled to 4072 SASS instructions, 99 of them IMAD.HI (the divmods), against 2928 and none
+# with the tensor passed as below (tests and numbers: docs/cute.md).
+# So flexfa hands the hooks each tensor through FA4's run-time `aux_scalars` and calls FA4 with
+# `aux_tensors=None`: a cutlass.Int64 address and one cutlass.Int32 per size (a 0-d capture as
+# one element), after the lifted floats, in `AuxLayout`'s order, which both the emitter and the
+# launcher (launch.py `aux_scalars`) take their positions from. Each hook builds, once before its
+# element loop, a view of every tensor it reads (`flexfa_view`: `cute.make_ptr` in global memory,
+# aligned to the element size, and a layout with the row-major strides of the sizes - the
+# launcher passes every tensor row-major, Note [Aux tensor layouts] in launch.py). FA4 keys its
+# compiled kernels by the scalars' types, not their values, so a new tensor at another address
+# (or of other sizes) reuses the kernel. A tensor's storage type is its IR type's: bool travels
+# as uint8 (read as `!= 0`), int8, uint8 and int16 are copied to int32 for the call.
+# What FA4's wrapping did, the generated code does per load: an index out of range of a dim reads
+# 0 (clamped for the read itself, Note [Loads out of bounds] in flexfa/ir/evaluate.py), and a
+# gradient atomic skips out-of-range indices and zero contributions. Without wrapping FA4 hands
+# the hooks raw indices of the padding elements of its last tiles (q_idx >= seqlen_q, kv_idx >=
+# seqlen_k, and past a sequence's end on the varlen path); those scores are masked by FA4 after
+# the hooks, their gradient is 0, and their loads go through the same guards; mods without
+# captures always got raw indices. So nothing else depended on the wrapping.
+# Lifetimes: the tensors FA4 reads are the caller's (`TracedMod.tensors`, saved for the backward
+# by autograd) or temporaries made for the call (a bool -> uint8 or narrow-int copy, a reshape, a
+# gradient buffer), which `backend.forward` / `backward` hold in a list until `launch.forward` /
+# `backward` return, i.e. until FA4 has enqueued its kernels. After that a temporary may go back
+# to torch's caching allocator: it was allocated on the current stream, FA4 launches on the current
+# stream, and the allocator hands a freed block only to later work on the same stream (ordered
+# after the kernel) unless told otherwise (`record_stream`), so no kernel reads freed memory.
+# CUDA graphs: an address is a kernel argument like the pointer of any tensor argument; a replay
+# reads the captured tensors at the addresses of the recorded call, as it would with
+# `aux_tensors` (temporaries made during capture come from the graph's private pool).
+# Without a GPU (offline.py) the tensors are fake and their addresses go as Int64(0): the compile
+# needs only the types.
 
 # Note [Constants in generated CuTe source]
 # Every constant of the IR is printed by `Constants`, and nowhere else: `literal` prints a typed
 # literal (`cutlass.Float32(0.125)`). Lifted Python scalars (SCALAR leaves, Note [Lifted scalars]
 # in flexfa/ir/nodes.py) are read by `scalar` from FA4's `aux_scalars`, a tuple of run-time
-# values (`cutlass.Float32`, one per slot) that FA4 passes to every hook by keyword. FA4 keys its
-# compiled kernels by the hooks' code and the scalars' types, not their values, and flexfa's module
-# key leaves the values out too, so score_mods that differ only in a lifted float share one
-# generated module and one compile.
+# values (`cutlass.Float32`, one per slot, first; the captured tensors' addresses and sizes
+# follow, Note [Captured tensors by address]) that FA4 passes to every hook by keyword. FA4 keys
+# its compiled kernels by the hooks' code and the scalars' types, not their values, and flexfa's
+# module key leaves the values out too, so score_mods that differ only in a lifted float share
+# one generated module and one compile.
 #
 # Note [Fast math in generated CuTe source]
 # The generated hooks run once per score element, next to FA4's own exp2 of the softmax, and the
@@ -42,7 +88,8 @@ FA4 passes the same list to every hook, so each function reads its own entries b
 # Note [Captured gradients in the FA4 backward]
 # d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
 # FA4 calls `score_mod_bwd` once per score element, so the generated function adds its contribution
-# with one float32 atomic add into the capture's gradient buffer (an aux tensor), skipping zeros:
+# with one float32 atomic add into the capture's gradient buffer (passed by address like the
+# captures, Note [Captured tensors by address]), skipping zeros:
 # pairs the mask or the sequence end excludes have `grad == 0` and cost no atomic. The order of the
 # adds is not fixed, so these gradients are not bitwise repeatable; the backend refuses
 # `deterministic=True` when a captured tensor needs a gradient.
@@ -51,6 +98,7 @@ FA4 passes the same list to every hook, so each function reads its own entries b
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from flexfa.codegen.triton.emit import provably_nonnegative
@@ -101,8 +149,9 @@ _INFIX = {
 
 # The FA4 hooks' fixed parameters (FA4 passes q_idx, kv_idx, seqlen_info and aux_tensors by
 # keyword), and for each mod variable: the scalar its element 0 is read into, and the parameter.
-# `aux_scalars` comes by keyword when the call passes lifted scalars (Note [Constants in generated
-# CuTe source]); FA4 then passes it to every hook.
+# `aux_scalars` comes by keyword when the call passes lifted scalars or tensors (Note [Constants
+# in generated CuTe source], Note [Captured tensors by address]); FA4 then passes it to every
+# hook. `aux_tensors` is always empty.
 SCORE_MOD_PARAMS = (
     "score_ssa", "b_idx", "h_idx", "q_idx", "kv_idx", "seqlen_info", "aux_tensors",
     "aux_scalars=None",
@@ -120,13 +169,36 @@ _SCALAR_OF = {
 }
 
 
+# Where a tensor's storage dtype differs from its IR dtype (Note [Captured tensors by address]).
+_STORAGE = {DType.BOOL: ("cutlass.Uint8", 1)}
+_BYTES = {
+    DType.INT32: 4,
+    DType.INT64: 8,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT64: 8,
+}
+
+
+def storage(dtype: DType) -> tuple[str, int]:
+    """The CuTe DSL element type and byte width a captured tensor of IR type `dtype` is read
+    with: bool tensors travel as uint8 (read back as `!= 0`), other types as themselves."""
+    return _STORAGE.get(dtype) or (CUTE_DTYPE[dtype], _BYTES[dtype])
+
+
 @dataclasses.dataclass(frozen=True)
 class AuxLayout:
-    """Positions in FA4's `aux_tensors` list: score_mod captures, mask_mod captures, then the
-    gradient buffers of the score_mod captures in `grad_slots` (slot order)."""
+    """The order of FA4's run-time `aux_scalars` for one call's hooks, used by the emitter and
+    the launcher alike (Note [Captured tensors by address]): the score_mod's lifted floats in slot
+    order, then one entry per tensor - the score_mod's captures, the mask_mod's, then float32
+    gradient buffers of the score_mod captures in `grad_slots` (slot order) - each entry the
+    tensor's address (Int64) followed by its sizes (Int32, one per dim; a 0-d capture travels as
+    one element, with one size)."""
 
-    score_captures: int
-    mask_captures: int
+    lifted: int
+    score_captures: tuple[Capture, ...]
+    mask_captures: tuple[Capture, ...]
     grad_slots: tuple[int, ...]
 
     @staticmethod
@@ -134,23 +206,53 @@ class AuxLayout:
         score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]
     ) -> AuxLayout:
         return AuxLayout(
-            score_captures=len(score.captures) if score is not None else 0,
-            mask_captures=len(mask.captures) if mask is not None else 0,
+            lifted=len(score.scalars) if score is not None else 0,
+            score_captures=score.captures if score is not None else (),
+            mask_captures=mask.captures if mask is not None else (),
             grad_slots=tuple(sorted(grad_slots)),
         )
 
     def score_capture(self, slot: int) -> int:
+        """The tensor position of score_mod capture `slot`."""
         return slot
 
     def mask_capture(self, slot: int) -> int:
-        return self.score_captures + slot
+        return len(self.score_captures) + slot
 
     def grad_buffer(self, slot: int) -> int:
-        return self.score_captures + self.mask_captures + self.grad_slots.index(slot)
+        return len(self.score_captures) + len(self.mask_captures) + self.grad_slots.index(slot)
+
+    @functools.cached_property
+    def tensors(self) -> tuple[tuple[DType, int], ...]:
+        """(IR dtype, rank as passed) of the tensor at each position."""
+
+        def entry(c: Capture) -> tuple[DType, int]:
+            return c.dtype, max(c.ndim, 1)
+
+        caps = [entry(c) for c in (*self.score_captures, *self.mask_captures)]
+        grads = [(DType.FLOAT32, entry(self.score_captures[s])[1]) for s in self.grad_slots]
+        return (*caps, *grads)
+
+    @functools.cached_property
+    def _addresses(self) -> tuple[int, ...]:
+        starts, at = [], self.lifted
+        for _, rank in self.tensors:
+            starts.append(at)
+            at += 1 + rank
+        return (*starts, at)
+
+    def address(self, position: int) -> int:
+        """The index in `aux_scalars` of the address of the tensor at `position`."""
+        return self._addresses[position]
+
+    def size(self, position: int, dim: int) -> int:
+        """The index in `aux_scalars` of size `dim` of the tensor at `position`."""
+        assert 0 <= dim < self.tensors[position][1]
+        return self.address(position) + 1 + dim
 
     @property
-    def size(self) -> int:
-        return self.score_captures + self.mask_captures + len(self.grad_slots)
+    def num_scalars(self) -> int:
+        return self.address(len(self.tensors))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +288,29 @@ class Constants:
 class _Body:
     """Emits scalar SSA lines for a set of roots; constants and parameters are inlined."""
 
-    def __init__(self, aux_index: dict[int, int], constants: Constants) -> None:
-        self.aux_index = aux_index  # capture slot -> position in aux_tensors
+    def __init__(self, aux: AuxLayout, aux_index: dict[int, int], constants: Constants) -> None:
+        self.aux = aux
+        self.aux_index = aux_index  # capture slot -> tensor position (AuxLayout)
         self.constants = constants
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
         self.reads: set[str] = set()
+        self.views: dict[int, str] = {}  # tensor position -> the line that builds its view
+
+    def view(self, position: int) -> str:
+        """The name of the tensor at `position`, built once per function from its address and
+        sizes (Note [Captured tensors by address])."""
+        name = f"view{position}"
+        if position not in self.views:
+            dtype, rank = self.aux.tensors[position]
+            element, width = storage(dtype)
+            sizes = [f"aux_scalars[{self.aux.size(position, d)}]" for d in range(rank)]
+            strides = [" * ".join(sizes[d + 1 :]) or "1" for d in range(rank)]
+            self.views[position] = (
+                f"{name} = flexfa_view({element}, {width}, "
+                f"aux_scalars[{self.aux.address(position)}], {_tuple(sizes)}, {_tuple(strides)})"
+            )
+        return name
 
     def name(self, node: Node) -> str:
         return self.names[id(node)]
@@ -206,7 +325,7 @@ class _Body:
                 self.reads.add(n.arg)
                 self.names[id(n)] = _SCALAR_OF[n.arg][0]
             elif n.op is Op.CAPTURE:
-                self.names[id(n)] = f"aux_tensors[{self.aux_index[n.arg.slot]}]"
+                self.names[id(n)] = self.view(self.aux_index[n.arg.slot])
             elif n.op is Op.SCALAR:
                 self.names[id(n)] = self.constants.scalar(n)
             else:
@@ -302,9 +421,9 @@ class _Body:
         """A guarded read of a captured tensor (Note [Loads out of bounds] in flexfa/ir/evaluate.py):
         indices are clamped into range for the read, and an out-of-range index yields 0."""
         cap: Capture = n.srcs[0].arg
-        t = f"aux_tensors[{self.aux_index[cap.slot]}]"
+        t = self.view(self.aux_index[cap.slot])
         idx = [self.name(s) for s in n.srcs[1:]]
-        if not idx:  # 0-d captures travel as one-element vectors (see launch.aux_tensor)
+        if not idx:  # 0-d captures travel as one-element vectors (see launch.captured_tensor)
             idx = ["cutlass.Int32(0)"]
             nodes: list[Node | None] = [None]
         else:
@@ -338,6 +457,10 @@ def _one(dtype: DType) -> str:
     return f"{CUTE_DTYPE[dtype]}({'1.0' if dtype.is_float else '1'})"
 
 
+def _tuple(items: list[str]) -> str:
+    return f"({items[0]},)" if len(items) == 1 else "(" + ", ".join(items) + ")"
+
+
 def _f32(x: float) -> str:
     return f"cutlass.Float32({x!r})"
 
@@ -351,25 +474,29 @@ def _function(
     name: str,
     params: tuple[str, ...],
     first: str,
+    body: _Body,
     lines: list[str],
     result: str,
     dtype: str,
     doc: str,
 ) -> str:
-    """A hook: for each element i of the argument vectors (FA4 chooses their length, e.g. 2 in
-    the forward and 4 in the backward), the scalar body, then the results as one vector."""
+    """A hook: the views of the tensors it reads, then for each element i of the argument vectors
+    (FA4 chooses their length, e.g. 2 in the forward and 4 in the backward) the scalar body, then
+    the results as one vector."""
     sig = ", ".join(params)
     head = f"@cute.jit\ndef {name}({sig}):"
     if len(f"def {name}({sig}):") > 100:
         joined = ",\n".join(f"    {p}" for p in params)
         head = f"@cute.jit\ndef {name}(\n{joined},\n):"
-    body = "\n".join(f"        {line}" for line in lines)
+    views = "".join(f"    {body.views[p]}\n" for p in sorted(body.views))
+    text = "\n".join(f"        {line}" for line in lines)
     return (
         f'{head}\n    """{doc}"""\n'
+        f"{views}"
         f"    n = cutlass.const_expr(cute.size({first}.shape))\n"
         f"    result = cute.make_rmem_tensor(n, {dtype})\n"
         f"    for i in cutlass.range_constexpr(n):\n"
-        f"{body}\n"
+        f"{text}\n"
         f"        result[i] = {result}\n"
         f"    return result.load()"
     )
@@ -387,17 +514,19 @@ def emit_mod(
     traced: TracedMod, fn_name: str, aux: AuxLayout, constants: Constants | None = None
 ) -> ModSource:
     """The forward hook of a score_mod (`score_mod`) or mask_mod (`mask_mod`)."""
-    body = _Body(_aux_index(traced, aux), constants or Constants())
+    body = _Body(aux, _aux_index(traced, aux), constants or Constants())
     body.emit([traced.output])
     ret = body.name(traced.output)
     lines = [*_reads(body, _VAR_ORDER), *body.lines]
     doc = f"{traced.kind} {traced.name!r}, traced by flexfa."
     if traced.kind == "score_mod":
         source = _function(
-            fn_name, SCORE_MOD_PARAMS, "score_ssa", lines, ret, "cutlass.Float32", doc
+            fn_name, SCORE_MOD_PARAMS, "score_ssa", body, lines, ret, "cutlass.Float32", doc
         )
     else:
-        source = _function(fn_name, MASK_MOD_PARAMS, "q_idx", lines, ret, "cutlass.Boolean", doc)
+        source = _function(
+            fn_name, MASK_MOD_PARAMS, "q_idx", body, lines, ret, "cutlass.Boolean", doc
+        )
     return ModSource(fn_name, source)
 
 
@@ -411,7 +540,7 @@ def emit_score_mod_bwd(
     """The `score_mod_bwd` hook, from flexfa's autodiff (never written by hand): it returns
     grad * d score_mod / d score and adds the captured tensors' gradients into their buffers
     (Note [Captured gradients in the FA4 backward])."""
-    body = _Body(_aux_index(traced, aux), constants or Constants())
+    body = _Body(aux, _aux_index(traced, aux), constants or Constants())
     loads = [g for g in grad.loads if g.slot in aux.grad_slots]
     body.emit([grad.d_score, *(g.d_load for g in loads), *(i for g in loads for i in g.indices)])
     lines = ["grad = grad_ssa[i]", *_reads(body, _VAR_ORDER), *body.lines]
@@ -421,14 +550,14 @@ def emit_score_mod_bwd(
     ret = "grad" if d.op is Op.CONST and d.arg == 1.0 else f"grad * {body.name(d)}"
     doc = f"gradient of score_mod {traced.name!r} (derived by flexfa's autodiff)."
     source = _function(
-        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", lines, ret, "cutlass.Float32", doc
+        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", body, lines, ret, "cutlass.Float32", doc
     )
     return ModSource(fn_name, source)
 
 
 def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> list[str]:
     cap: Capture = load.srcs[0].arg
-    buf = f"aux_tensors[{aux.grad_buffer(cap.slot)}]"
+    buf = body.view(aux.grad_buffer(cap.slot))
     idx = [body.name(s) for s in load.srcs[1:]] or ["cutlass.Int32(0)"]
     guards = [f"({ix} < {buf}.shape[{d}])" for d, ix in enumerate(idx)]
     guards += [

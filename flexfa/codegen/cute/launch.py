@@ -11,7 +11,7 @@ These functions import flash_attn; only the "fa4" backend and export call them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,46 +32,78 @@ class Hooks:
     aux: AuxLayout
 
 
-def aux_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A captured tensor as FA4 can take it: 0-d tensors become one-element vectors (the
-    generated code reads element 0), bool tensors become uint8 (read back as `!= 0`), and the
-    layout is contiguous with its last dim declared as the unit-stride one (Note [Aux tensor
-    layouts])."""
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
+# Narrow integer tensors are read as int32 (their IR type, flexfa/ir/dtypes.py), bool as uint8.
+_STORED_AS = {
+    torch.bool: torch.uint8,
+    torch.int8: torch.int32,
+    torch.uint8: torch.int32,
+    torch.int16: torch.int32,
+}
+
+
+def captured_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A captured tensor as the hooks read it (Note [Captured tensors by address] in emit.py):
+    in the storage type of its IR type (bool as uint8, read back as `!= 0`; int8, uint8 and int16
+    as int32), 0-d as a one-element vector (the generated code reads element 0), with the
+    row-major strides of its shape (Note [Aux tensor layouts]). A copy where any of these
+    differ: the caller keeps the result alive until FA4 has enqueued its kernels."""
+    t = t.detach()
+    if t.dtype in _STORED_AS:
+        t = t.to(_STORED_AS[t.dtype])
     if t.ndim == 0:
         t = t.reshape(1)
-    return with_leading_dim(row_major(t.detach()))
+    return row_major(t)
 
 
 # Note [Aux tensor layouts]
-# FA4 compiles each aux tensor and block-sparse list with a layout: a declared unit-stride dim
-# (`__leading_dim__` for aux tensors; always the last dim for the lists) becomes a static stride
-# of 1, checked at every call; without a declaration FA4 leaves the layout fully dynamic. torch
-# calls a tensor contiguous whatever the strides of its size-1 dims, and keeps them through
-# `.contiguous()`: in flexfa's GPU fuzz a backward list of shape (1, 1, 1) with strides (2, 2, 2)
-# (one KV block) failed FA4's check ("Expected strides[leading_dim] == 1, but got 2") once FA4
-# broadcast it over heads. flexfa passes every aux tensor, gradient buffer and list with the
-# row-major strides of its shape (`flexfa.layout.row_major`) and declares the aux tensors' last
-# dim: one layout rule, and a static stride the compiler can fold.
+# The generated hooks index captured tensors and gradient buffers with the row-major strides of
+# their sizes (Note [Captured tensors by address] in emit.py), and FA4 compiles its block-sparse
+# lists with a static unit stride in the last dim, checked at every call. torch calls a tensor
+# contiguous whatever the strides of its size-1 dims, and keeps them through `.contiguous()`: in
+# flexfa's GPU fuzz a backward list of shape (1, 1, 1) with strides (2, 2, 2) (one KV block)
+# failed FA4's check ("Expected strides[leading_dim] == 1, but got 2") once FA4 broadcast it
+# over heads. So every captured tensor, gradient buffer and list gets the row-major strides of
+# its shape (`flexfa.layout.row_major`): one layout rule.
 
 
-def with_leading_dim(t: torch.Tensor) -> torch.Tensor:
-    """`t` (contiguous, at least 1-d) with its last dim declared unit-stride for FA4 (Note [Aux
-    tensor layouts]); the attribute is set on this tensor object, which shares `t`'s storage."""
-    assert t.ndim >= 1 and t.stride(-1) == 1, (t.shape, t.stride())
-    t.__leading_dim__ = t.ndim - 1
-    return t
+def _address(t: torch.Tensor) -> int:
+    """`t`'s device address; 0 for a fake tensor (a compile without a GPU, offline.py: FA4 keys
+    its kernels by the scalars' types, so the value is never used)."""
+    if type(t) is not torch.Tensor:
+        from torch._subclasses.fake_tensor import is_fake
+
+        if is_fake(t):
+            return 0
+    return t.data_ptr()
 
 
-def aux_scalars(values: tuple[float, ...]) -> tuple | None:
-    """Lifted scalars as FA4's run-time `aux_scalars` (Note [Constants in generated CuTe source]),
-    or None when the mods lift none."""
-    if not values:
+def aux_scalars(
+    aux: AuxLayout | None, values: tuple[float, ...], tensors: Sequence[torch.Tensor] = ()
+) -> tuple | None:
+    """FA4's run-time `aux_scalars` for one call, in the order `aux` gives: the lifted floats
+    (Note [Constants in generated CuTe source]), then each tensor's address and sizes (Note
+    [Captured tensors by address]); None when there are none. `tensors` are the call's captured
+    tensors (`captured_tensor`) in `aux`'s positions, then in the backward the gradient buffers
+    (the forward's hooks read none, and they come last); the caller holds them until FA4 has
+    enqueued its kernels."""
+    if not values and not tensors:
         return None
     import cutlass
 
-    return tuple(cutlass.Float32(v) for v in values)
+    assert aux is not None and len(values) == aux.lifted, (aux, values)
+    captures = len(aux.score_captures) + len(aux.mask_captures)
+    assert len(tensors) in (captures, len(aux.tensors)), (len(tensors), aux)
+    scalars: list = [cutlass.Float32(v) for v in values]
+    for position, (t, (dtype, rank)) in enumerate(zip(tensors, aux.tensors)):
+        assert len(scalars) == aux.address(position)
+        stored = _STORED_AS.get(dtype.torch, dtype.torch)
+        assert t.dtype == stored and t.ndim == rank, (position, t.dtype, t.shape, dtype, rank)
+        # Contiguous is enough: the hooks index with the strides of the sizes, and a size-1 dim
+        # is only ever indexed at 0.
+        assert t.is_contiguous() and t.numel() < 2**31, (t.shape, t.stride())
+        scalars.append(cutlass.Int64(_address(t)))
+        scalars.extend(cutlass.Int32(n) for n in t.shape)
+    return tuple(scalars)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -118,7 +150,7 @@ def forward(
     scale: float,
     lowering: MaskLowering,
     hooks: Hooks,
-    aux_tensors: list[torch.Tensor],
+    tensors: list[torch.Tensor],
     arch: int | None = None,
     block_sparse: SparseLists | None = None,
     scalars: tuple[float, ...] = (),
@@ -126,7 +158,10 @@ def forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """FA4's forward, writing into `out` ([B, H, Lq, Ev], any stride order with a unit-stride
     head dim: the caller gives it q's, Note [Output layout] in flexfa/layout.py). Returns (out,
-    lse [B, H, Lq] natural log). With `sequences`, B is 1 and FA4's varlen kernels run."""
+    lse [B, H, Lq] natural log). `tensors`: the call's captured tensors (`captured_tensor`), which
+    reach the hooks by address (Note [Captured tensors by address] in emit.py); this frame holds
+    them until FA4 has enqueued its kernels. With `sequences`, B is 1 and FA4's varlen kernels
+    run."""
     from flash_attn.cute.interface import _flash_attn_fwd
 
     jitcache.install()
@@ -139,8 +174,8 @@ def forward(
         softmax_scale=scale,
         score_mod=hooks.score_mod,
         mask_mod=hooks.mask_mod if not lowering.native else None,
-        aux_tensors=aux_tensors or None,
-        aux_scalars=aux_scalars(scalars),
+        aux_tensors=None,  # Note [Captured tensors by address]
+        aux_scalars=aux_scalars(hooks.aux, scalars, tensors),
         block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         return_lse=True,
         out=_fa4_layout(out, sequences),
@@ -162,16 +197,16 @@ def backward(
     scale: float,
     lowering: MaskLowering,
     hooks: Hooks,
-    aux_tensors: list[torch.Tensor],
+    tensors: list[torch.Tensor],
     deterministic: bool,
     block_sparse: SparseLists | None = None,
     scalars: tuple[float, ...] = (),
     sequences: Sequences | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA4's backward with the generated score_mod_bwd; returns dq, dk, dv in flexfa's layout.
-    Gradient buffers of captured tensors are the last entries of `aux_tensors` and are filled
-    in place (Note [Captured gradients in the FA4 backward] in emit.py). With `sequences`, FA4's
-    varlen kernels run."""
+    `tensors`: the captured tensors as for `forward`, then the float32 gradient buffers of those
+    that need one, filled in place (Note [Captured gradients in the FA4 backward] in emit.py).
+    With `sequences`, FA4's varlen kernels run."""
     from flash_attn.cute.interface import _flash_attn_bwd
 
     jitcache.install()
@@ -189,8 +224,8 @@ def backward(
         score_mod=hooks.score_mod,
         score_mod_bwd=hooks.score_mod_bwd if hooks.score_mod is not None else None,
         mask_mod=hooks.mask_mod if not lowering.native else None,
-        aux_tensors=aux_tensors or None,
-        aux_scalars=aux_scalars(scalars),
+        aux_tensors=None,  # Note [Captured tensors by address]
+        aux_scalars=aux_scalars(hooks.aux, scalars, tensors),
         block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
         dlse=_fa4_lse(dlse, sequences),
         **lowering.fa4_kwargs(),

@@ -100,17 +100,28 @@ class Rendered:
 
 
 def _aux_doc(score: TracedMod | None, mask: TracedMod | None, aux: emit.AuxLayout) -> str:
+    """Where each run-time value sits in FA4's `aux_scalars` (Note [Captured tensors by
+    address])."""
     entries = []
     if score is not None:
-        entries += [f"[{aux.score_capture(c.slot)}] {c.name} (score_mod)" for c in score.captures]
-    if mask is not None:
-        entries += [f"[{aux.mask_capture(c.slot)}] {c.name} (mask_mod)" for c in mask.captures]
+        entries += [f"[{s.slot}] {s.name} (float32)" for s in score.scalars]
+
+    def tensor(position: int, what: str) -> str:
+        first, last = aux.address(position), aux.size(position, aux.tensors[position][1] - 1)
+        return f"[{first}] address, [{first + 1}:{last + 1}] sizes of {what}"
+
     if score is not None:
         entries += [
-            f"[{aux.grad_buffer(s)}] gradient of {score.captures[s].name} (float32)"
+            tensor(aux.score_capture(c.slot), f"{c.name} (score_mod)") for c in score.captures
+        ]
+    if mask is not None:
+        entries += [tensor(aux.mask_capture(c.slot), f"{c.name} (mask_mod)") for c in mask.captures]
+    if score is not None:
+        entries += [
+            tensor(aux.grad_buffer(s), f"the gradient of {score.captures[s].name} (float32)")
             for s in aux.grad_slots
         ]
-    return ", ".join(entries) or "none"
+    return "; ".join(entries) or "none"
 
 
 def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]) -> Rendered:

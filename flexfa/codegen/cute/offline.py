@@ -158,7 +158,7 @@ def compile_call(
         seq_len = sum(seqlens)
     captured = [*(score.tensors if score is not None else ()), *call.mask_tensors]
     grad_slots = call.grad_slots
-    aux_specs = [(a.shape, a.dtype) for a in (launch.aux_tensor(t) for t in captured)]
+    specs = [(a.shape, a.dtype) for a in (launch.captured_tensor(t) for t in captured)]
     seconds: dict[str, float] = {}
     # By default compile for real: a kernel loaded from disk leaves no PTX.
     with _hardware_info_without_gpu(), FakeTensorMode(), config.override(fa4_disk_cache=disk_cache):
@@ -170,14 +170,13 @@ def compile_call(
             )
         shape = (1, num_heads, seq_len, head_dim)
         q, k, v = (torch.empty(shape, dtype=dtype, device="cuda") for _ in range(3))
-        aux = [
-            launch.with_leading_dim(torch.empty(shape, dtype=dt, device="cuda"))
-            for shape, dt in aux_specs
-        ]
+        # Fake tensors: their addresses go to FA4 as Int64(0), typed as a real call's (Note
+        # [Captured tensors by address]).
+        tensors = [torch.empty(shape, dtype=dt, device="cuda") for shape, dt in specs]
         t0 = time.perf_counter()
         o, lse = launch.forward(
             q, k, v, out=torch.empty_like(q), scale=call.scale, lowering=call.lowering,
-            hooks=call.hooks, aux_tensors=aux, arch=number,
+            hooks=call.hooks, tensors=tensors, arch=number,
             block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
             sequences=call.sequences,
         )  # fmt: skip
@@ -185,9 +184,7 @@ def compile_call(
         padded = None
         if backward:
             grads = [
-                launch.with_leading_dim(
-                    torch.empty(score.tensors[s].shape or (1,), dtype=torch.float32, device="cuda")
-                )
+                torch.empty(score.tensors[s].shape or (1,), dtype=torch.float32, device="cuda")
                 for s in grad_slots
             ]
             # The backward flexfa runs: zero-padded where FA4's is not verified (Note [Padded
@@ -198,7 +195,7 @@ def compile_call(
             t0 = time.perf_counter()
             launch.backward(
                 q, k, v, o, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
-                lowering=call.bwd_lowering, hooks=call.hooks, aux_tensors=aux + grads,
+                lowering=call.bwd_lowering, hooks=call.hooks, tensors=tensors + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
                 scalars=call.scalars, sequences=call.sequences,
             )  # fmt: skip

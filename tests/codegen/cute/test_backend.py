@@ -216,20 +216,60 @@ def test_backward_with_a_score_mod_keeps_the_native_mask():
     assert no_mod.hooks.mask_mod is None
 
 
-def test_aux_tensors_are_contiguous_with_a_declared_leading_dim():
-    # Note [Aux tensor layouts]
-    from flexfa.codegen.cute.launch import aux_tensor
+def test_captured_tensors_are_row_major_in_their_storage_type():
+    # Note [Aux tensor layouts], Note [Captured tensors by address]
+    from flexfa.codegen.cute.launch import captured_tensor
 
     table = torch.randn(5, 3).t()  # not contiguous
     cases = (
-        (table, (3, 5)),
-        (torch.tensor(0.5), (1,)),
-        (torch.ones(4, 1, dtype=torch.bool), (4, 1)),
+        (table, (3, 5), torch.float32),
+        (torch.tensor(0.5), (1,), torch.float32),
+        (torch.ones(4, 1, dtype=torch.bool), (4, 1), torch.uint8),
+        (torch.arange(6, dtype=torch.int8).view(2, 3), (2, 3), torch.int32),
+        (torch.zeros(1, 1, 2)[..., :1], (1, 1, 1), torch.float32),  # strides (2, 2, 2)
     )
-    for t, shape in cases:
-        a = aux_tensor(t)
-        assert a.shape == shape and a.is_contiguous() and a.__leading_dim__ == a.ndim - 1
+    for t, shape, dtype in cases:
+        a = captured_tensor(t)
+        assert a.shape == shape and a.dtype == dtype
+        assert a.stride() == tuple(torch.empty(shape).stride())
         assert torch.equal(a.to(t.dtype).reshape(t.shape), t)
+    assert captured_tensor(table.t()).data_ptr() == table.data_ptr()  # no copy when not needed
+
+
+def test_aux_scalars_hold_lifted_floats_then_addresses_and_sizes():
+    """The launcher's aux_scalars follow the emitter's AuxLayout (Note [Captured tensors by
+    address]); a fake tensor's address is 0."""
+    import cutlass
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from flexfa.codegen.cute.emit import AuxLayout
+    from flexfa.codegen.cute.launch import aux_scalars, captured_tensor
+    from flexfa.frontend import trace_mask_mod, trace_score_mod
+
+    table = torch.randn(4, 65, requires_grad=True)
+    ids = torch.zeros(300, dtype=torch.bool)
+
+    def mod(score, b, h, q_idx, kv_idx, w=0.5):
+        return score * w + table[h, q_idx - kv_idx + 32]
+
+    score = trace_score_mod(mod)
+    mask = trace_mask_mod(lambda b, h, q_idx, kv_idx: ids[q_idx] | ids[kv_idx])
+    aux = AuxLayout.of(score, mask, score.grad_slots())
+    grad = torch.zeros(4, 65)
+    tensors = [captured_tensor(table), captured_tensor(ids), grad]
+    got = aux_scalars(aux, (0.5,), tensors)
+    f32, i64, i32 = cutlass.Float32, cutlass.Int64, cutlass.Int32
+    # w | table: address, 2 sizes | ids: address, 1 size | gradient of table: address, 2 sizes
+    assert [type(x) for x in got] == [f32, i64, i32, i32, i64, i32, i64, i32, i32]
+    assert [got[aux.address(p)].value for p in range(3)] == [t.data_ptr() for t in tensors]
+    sizes = [got[aux.size(p, d)].value for p, d in ((0, 0), (0, 1), (1, 0), (2, 1))]
+    assert sizes == [4, 65, 300, 65] and got[0].value == 0.5
+    assert aux_scalars(AuxLayout(0, (), (), ()), ()) is None
+    with pytest.raises(AssertionError):  # a tensor the layout does not expect
+        aux_scalars(aux, (0.5,), [captured_tensor(table), ids, grad])
+    with FakeTensorMode():
+        fake = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in tensors]
+        assert aux_scalars(aux, (0.5,), fake)[aux.address(2)].value == 0
 
 
 def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
@@ -240,13 +280,13 @@ def test_autograd_wiring_with_stand_ins_for_fa4(monkeypatch):
 
     seen = {}
 
-    def forward(q, k, v, *, out, scale, lowering, hooks, aux_tensors, **kw):
-        seen["fwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors])
+    def forward(q, k, v, *, out, scale, lowering, hooks, tensors, **kw):
+        seen["fwd"] = (lowering.kind, [tuple(a.shape) for a in tensors])
         return out.copy_(q), torch.zeros(q.shape[:3])
 
-    def backward(q, k, v, out, dout, lse, dlse, *, lowering, aux_tensors, **kw):
-        seen["bwd"] = (lowering.kind, [tuple(a.shape) for a in aux_tensors], dlse is not None)
-        aux_tensors[-1].add_(2.0)  # the gradient buffer of the one captured tensor
+    def backward(q, k, v, out, dout, lse, dlse, *, lowering, tensors, **kw):
+        seen["bwd"] = (lowering.kind, [tuple(a.shape) for a in tensors], dlse is not None)
+        tensors[-1].add_(2.0)  # the gradient buffer of the one captured tensor
         return dout.clone(), torch.zeros_like(k), torch.zeros_like(v)
 
     monkeypatch.setattr(launch, "forward", forward)
@@ -300,7 +340,7 @@ def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
 
     seen = {}
 
-    def forward(q, k, v, *, out, scale, lowering, hooks, aux_tensors, **kw):
+    def forward(q, k, v, *, out, scale, lowering, hooks, tensors, **kw):
         seen["fwd_heads"] = k.shape[1]
         return out.copy_(q), torch.zeros(q.shape[:3])
 

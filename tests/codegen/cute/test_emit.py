@@ -1,5 +1,6 @@
 """The generated CuTe DSL hooks: golden snapshots of whole modules, and what the emitter decides
-(aux-tensor positions, guarded loads, the gradient scatter, where constants come from)."""
+(where captured tensors sit in aux_scalars, guarded loads, the gradient scatter, where constants
+come from)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import flexfa
 from flexfa.codegen.cute import emit
 from flexfa.codegen.cute import module as cmodule
 from flexfa.frontend import trace_mask_mod, trace_score_mod
+from flexfa.ir.dtypes import DType
 from tests.codegen import common
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -50,26 +52,42 @@ def test_generated_module_is_valid_python_with_fa4_signatures():
     assert "MASK_MOD = mask_mod_prefix_lm" in src
 
 
-def test_aux_layout_orders_score_then_mask_then_gradients():
-    a = torch.zeros(4, requires_grad=True)
-    c = torch.zeros(4)
-    ids = torch.zeros(16, dtype=torch.int64)
+def test_aux_layout_orders_scalars_then_score_then_mask_then_gradients():
+    """Note [Captured tensors by address]: lifted floats first, then each tensor's address and
+    sizes - score_mod captures, mask_mod captures, gradient buffers."""
+    a = torch.zeros(4, 3, requires_grad=True)
+    c = torch.tensor(2.0)
 
-    def two(score, b, h, q_idx, kv_idx):
-        return score * a[h] + c[h]
+    def two(score, b, h, q_idx, kv_idx, w=0.5):
+        return score * a[h, 1] * w + c
 
+    ids = torch.zeros(16, dtype=torch.bool)
     score = trace_score_mod(two)
-    mask = trace_mask_mod(flexfa.masks.document(ids))
+    mask = trace_mask_mod(lambda b, h, q_idx, kv_idx: ids[q_idx] & ids[kv_idx])
     layout = emit.AuxLayout.of(score, mask, score.grad_slots())
-    assert layout.grad_slots == (0,)
+    assert layout.lifted == 1 and layout.grad_slots == (0,)
     assert (layout.score_capture(1), layout.mask_capture(0), layout.grad_buffer(0)) == (1, 2, 3)
+    assert layout.tensors == (
+        (DType.FLOAT32, 2), (DType.FLOAT32, 1), (DType.BOOL, 1), (DType.FLOAT32, 2),
+    )  # fmt: skip
+    # w | a: address, 2 sizes | c: address, 1 size | ids | gradient of a
+    assert [layout.address(p) for p in range(4)] == [1, 4, 6, 8]
+    assert (layout.size(0, 1), layout.size(3, 1), layout.num_scalars) == (3, 10, 11)
     rendered = cmodule.render(score, mask, score.grad_slots())
     bwd = rendered.score_mod_bwd.source
-    # d out / d a[h] = score, scattered into the gradient buffer at aux position 3; no scatter
-    # for c (it does not require grad).
-    assert "flexfa_atomic_add(c0, aux_tensors[3], h)" in bwd
+    # d out / d a[h, 1] = score * w, scattered into the gradient buffer at position 3; no
+    # scatter for c (it does not require grad).
+    grad_view = "view3 = flexfa_view(cutlass.Float32, 4, aux_scalars[8], (aux_scalars[9], "
+    assert grad_view + "aux_scalars[10]), (aux_scalars[10], 1))" in bwd
+    assert "flexfa_atomic_add(c0, view3, (h, cutlass.Int32(1)))" in bwd
     assert bwd.count("flexfa_atomic_add") == 1
-    assert "aux_tensors[2]" in rendered.mask_mod.source
+    mask_src = rendered.mask_mod.source
+    assert "view2 = flexfa_view(cutlass.Uint8, 1, aux_scalars[6], (aux_scalars[7],), (1,))" in (
+        mask_src
+    )
+    assert "(view2[flexfa_clamp(q, view2.shape[0])] != 0)" in mask_src
+    # A 0-d capture is read as element 0 of a one-element view.
+    assert "view1[cutlass.Int32(0)].to(cutlass.Float32)" in rendered.score_mod.source
 
 
 def test_loads_are_guarded_and_clamped():
@@ -78,10 +96,11 @@ def test_loads_are_guarded_and_clamped():
     def shifted(score, b, h, q_idx, kv_idx):
         return score + table[q_idx - kv_idx]
 
-    src = emit.emit_mod(trace_score_mod(shifted), "f", emit.AuxLayout(1, 0, ())).source
+    traced = trace_score_mod(shifted)
+    src = emit.emit_mod(traced, "f", emit.AuxLayout.of(traced, None, frozenset())).source
     # q - kv may be negative: both bounds are checked, and the read index is clamped into range.
-    assert "(t0 >= 0) & (t0 < aux_tensors[0].shape[0])" in src
-    assert "aux_tensors[0][flexfa_clamp(t0, aux_tensors[0].shape[0])]" in src
+    assert "(t0 >= 0) & (t0 < view0.shape[0])" in src
+    assert "view0[flexfa_clamp(t0, view0.shape[0])]" in src
 
 
 def test_backward_comes_from_autodiff():
@@ -89,7 +108,7 @@ def test_backward_comes_from_autodiff():
         trace_score_mod(flexfa.mods.softcap(20.0)),
         trace_score_mod(flexfa.mods.softcap(20.0)).gradient(),
         "g",
-        emit.AuxLayout(0, 0, ()),
+        emit.AuxLayout(1, (), (), ()),
     ).source
     # d/ds 20 tanh(s / 20) = 1 - tanh(s / 20)**2: the body recomputes tanh and multiplies grad.
     assert "cute.math.tanh(" in src
@@ -105,8 +124,8 @@ def test_every_constant_comes_from_constants():
     """Note [Constants in generated CuTe source]: one place prints constants; lifted floats are
     read from FA4's run-time aux_scalars, never printed."""
     traced = trace_score_mod(flexfa.mods.softcap(30.0))
-    src = emit.emit_mod(traced, "f", emit.AuxLayout(0, 0, ()), _Marked()).source
+    src = emit.emit_mod(traced, "f", emit.AuxLayout(1, (), (), ()), _Marked()).source
     assert "aux_scalars[0]" in src and "30.0" not in src
     fixed = trace_score_mod(lambda s, b, h, q, kv: s * 0.5 + 1.0)  # constants of the mod's code
-    src = emit.emit_mod(fixed, "g", emit.AuxLayout(0, 0, ()), _Marked()).source
+    src = emit.emit_mod(fixed, "g", emit.AuxLayout(0, (), (), ()), _Marked()).source
     assert "LITERAL" in src and "0.5" not in src and "aux_scalars[" not in src

@@ -73,6 +73,25 @@ def _key_bias(case, dev):
     return key_bias, None, (bias, temp)
 
 
+def _bias_keep_doc(case, dev):
+    # Both mods read tensors, which reach the hooks by address (Note [Captured tensors by
+    # address]): the score_mod's table (with a gradient, whose buffer comes after the mask_mod's
+    # tensors), a bool tensor (read as uint8) and int8 document ids (read as int32). Lq != Lkv and
+    # lengths that are no multiple of a tile hand the hooks raw indices past the ends.
+    g = torch.Generator().manual_seed(6)
+    bias = (0.5 * torch.randn(case.heads_q, case.len_kv, generator=g)).to(dev).requires_grad_()
+    keep = (torch.rand(case.len_kv, generator=g) > 0.1).to(dev)
+    docs = (torch.arange(max(case.len_q, case.len_kv)) // 300).to(torch.int8).to(dev)
+
+    def key_bias(score, b, h, q_idx, kv_idx):
+        return score + bias[h, kv_idx]
+
+    def keep_document(b, h, q_idx, kv_idx):
+        return keep[kv_idx] & (docs[q_idx] == docs[kv_idx])
+
+    return key_bias, keep_document, (bias,)
+
+
 bf16, f16 = torch.bfloat16, torch.float16
 CASES = [
     GpuCase("causal", 2, 4, 4, 1024, 1024, 64, bf16, causal, "causal"),
@@ -103,11 +122,13 @@ CASES = [
     GpuCase("no_mask", 1, 2, 1, 777, 1999, 64, f16, no_mask, "full"),
     GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod"),
     GpuCase("causal", 1, 2, 2, 1024, 1024, 256, bf16, causal, "causal"),
+    GpuCase("bias_keep_doc", 1, 4, 2, 1000, 1201, 64, bf16, _bias_keep_doc, "mask_mod"),
     # FA4's block-sparse lists from the BlockMask (opt-in, Note [Block-sparse lists for FA4]).
     GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod", True),
     GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod", True),
     GpuCase("dilated", 1, 2, 2, 1024, 1024, 128, f16, _dilated, "mask_mod", True),
     GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod", True),
+    GpuCase("bias_keep_doc", 2, 4, 4, 1100, 1100, 128, bf16, _bias_keep_doc, "mask_mod", True),
 ]
 
 

@@ -6,8 +6,10 @@ mask semantics (bottom-right aligned per sequence) and hands the mods FA4's indi
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import itertools
+import math
 import sys
 import types
 
@@ -20,6 +22,7 @@ import flexfa
 from flexfa import masks as fm
 from flexfa.api import _packed, build_spec
 from flexfa.backends import fa4
+from flexfa.codegen.cute.emit import AuxLayout
 from flexfa.codegen.cute.plan import lower_packed_mask, native_mask
 from flexfa.frontend import trace_mask_mod
 from flexfa.reference import reference_attention
@@ -267,15 +270,36 @@ def _fa4_mask(causal=False, window_size_left=None, window_size_right=None):
     return mask
 
 
+def _tensors_at(aux_scalars, aux) -> list[torch.Tensor]:
+    """The tensors whose addresses and sizes the call passed in `aux_scalars` (Note [Captured
+    tensors by address]), as CPU tensors over the same memory: what the generated hooks' views
+    read and the gradient atomics write."""
+    if aux_scalars is None:
+        return []
+    tensors = []
+    for position, (dtype, rank) in enumerate(aux.tensors):
+        if aux.address(position) >= len(aux_scalars):  # the forward passes no gradient buffers
+            break
+        address = aux_scalars[aux.address(position)].value
+        sizes = [aux_scalars[aux.size(position, d)].value for d in range(rank)]
+        stored = torch.uint8 if dtype.is_bool else dtype.torch
+        nbytes = math.prod(sizes) * torch.empty((), dtype=stored).element_size()
+        memory = (ctypes.c_byte * nbytes).from_address(address)
+        tensors.append(torch.frombuffer(memory, dtype=stored).view(sizes))
+    return tensors
+
+
 class _StandIn:
     """FA4's `_flash_attn_fwd` / `_flash_attn_bwd` for varlen calls, in float64: per sequence,
     the mods with FA4's indices (b = sequence, positions within it) under FA4's native mask. The
-    score_mod is the test's, made from the captured tensors FA4 would hand its hooks."""
+    score_mod is the test's, made from the captured tensors FA4 would hand its hooks: read at the
+    addresses in `aux_scalars`, laid out as `aux` (the call's AuxLayout) says."""
 
     def __init__(self, make_score_mod, num_captures):
         self.make_score_mod = make_score_mod
         self.num_captures = num_captures
         self.seen = {}
+        self.aux = None  # set when the call's hooks are made
 
     def _sequences(self, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
         cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
@@ -297,12 +321,14 @@ class _StandIn:
         )  # fmt: skip
 
     def forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                softmax_scale, mask_mod, aux_tensors, block_sparse_tensors, out, **kw):  # fmt: skip
+                softmax_scale, mask_mod, aux_tensors, aux_scalars, block_sparse_tensors, out,
+                **kw):  # fmt: skip
         assert q.ndim == k.ndim == v.ndim == 3 and mask_mod is None and block_sparse_tensors is None
+        assert aux_tensors is None  # Note [Captured tensors by address]
         mask_kwargs = {n: kw.pop(n) for n in ("causal", "window_size_left", "window_size_right")
                        if n in kw}  # fmt: skip
         self.seen["fwd"] = (tuple(q.shape), tuple(k.shape), mask_kwargs)
-        captures = list(aux_tensors or [])[: self.num_captures]
+        captures = _tensors_at(aux_scalars, self.aux)[: self.num_captures]
         lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
         for s, q0, q1, k0, k1 in self._sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                  max_seqlen_k):  # fmt: skip
@@ -315,11 +341,12 @@ class _StandIn:
         return out, lse, None, None, None
 
     def backward(self, q, k, v, out, dout, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                 max_seqlen_k, softmax_scale, aux_tensors, dlse, **kw):  # fmt: skip
+                 max_seqlen_k, softmax_scale, aux_tensors, aux_scalars, dlse, **kw):  # fmt: skip
         mask_kwargs = {n: kw[n] for n in ("causal", "window_size_left", "window_size_right")
                        if n in kw}  # fmt: skip
         self.seen["bwd"] = (tuple(q.shape), tuple(k.shape), tuple(lse.shape), mask_kwargs)
-        aux = list(aux_tensors or [])
+        assert aux_tensors is None
+        aux = _tensors_at(aux_scalars, self.aux)
         captures = [t.detach().clone().requires_grad_() for t in aux[: self.num_captures]]
         buffers = aux[self.num_captures :]
         dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
@@ -352,7 +379,12 @@ def _install(monkeypatch, stand_in):
     interface._flash_attn_bwd = stand_in.backward
     monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", interface)
     monkeypatch.setattr(jitcache, "install", lambda: None)
-    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+
+    def hooks_for(score, mask, grad_slots):
+        stand_in.aux = AuxLayout.of(score, mask, grad_slots)
+        return launch.Hooks(None, None, None, stand_in.aux)
+
+    monkeypatch.setattr(backend, "hooks_for", hooks_for)
     monkeypatch.setattr(backend, "_arch_major", lambda device: 9)
 
 
