@@ -104,7 +104,9 @@ def attention(
     """
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
-    if isinstance(q, torch.Tensor) and q.is_cuda:  # Note [Triton's start-up]
+    # Note [Triton's start-up]; not while torch.compile traces the call: Dynamo would have to trace
+    # the compile pool (a graph break, an error under fullgraph=True).
+    if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and q.is_cuda:
         _start_triton(_needs_grad(q, k, v))
     packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
