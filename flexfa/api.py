@@ -106,7 +106,7 @@ def attention(
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     # Note [Triton's start-up]; not while torch.compile traces the call: Dynamo would have to trace
     # the compile pool (a graph break, an error under fullgraph=True).
-    if not torch.compiler.is_compiling() and isinstance(q, torch.Tensor) and q.is_cuda:
+    if not torch.compiler.is_compiling() and _on_cuda(q):
         _start_triton(_needs_grad(q, k, v))
     packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
@@ -199,6 +199,10 @@ def attention(
 _memo: dict[tuple, tuple] = {}
 _MEMO_SIZE = 16
 _UNTRACED = object()  # build_spec traces the score_mod itself
+
+
+def _on_cuda(q) -> bool:
+    return isinstance(q, torch.Tensor) and q.is_cuda
 
 
 def _start_triton(with_workers: bool) -> None:

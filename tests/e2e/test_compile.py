@@ -292,3 +292,23 @@ def test_the_ops_fake_output_has_the_real_strides():
         fake = compiled_attention(fq, fk, fv, rel_bias, flexfa.masks.causal, **kw)[0]
     assert real.transpose(1, 2).is_contiguous()
     assert fake.shape == real.shape and fake.stride() == real.stride()
+
+
+def test_triton_start_up_is_asked_for_eagerly_and_never_traced(monkeypatch):
+    """An eager call on CUDA starts Triton's start-up (Note [Triton's start-up]); under torch.compile
+    the call must not trace it: the compile pool's lock is a graph break, an error with
+    fullgraph=True. The device test is stood in for, so this runs on a CPU."""
+    import flexfa.api as api
+
+    asked = []
+    monkeypatch.setattr(api, "_on_cuda", lambda q: True)
+    monkeypatch.setattr(api, "_start_triton", lambda with_workers: asked.append(with_workers))
+    q, k, v = (torch.randn(1, 2, 33, 16, requires_grad=True) for _ in range(3))
+    flexfa.attention(q, k, v, block_mask=flexfa.masks.causal)
+    assert asked == [True], asked  # gradients wanted: the compile workers too
+    asked.clear()
+    counter = torch._dynamo.testing.CompileCounter()
+    f = lambda q, k, v: flexfa.attention(q, k, v, block_mask=flexfa.masks.causal)
+    out = torch.compile(f, fullgraph=True, backend=counter)(q, k, v)
+    assert asked == [] and counter.frame_count == 1, (asked, counter.frame_count)
+    torch.testing.assert_close(out, f(q, k, v))
