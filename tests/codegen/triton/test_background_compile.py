@@ -128,3 +128,21 @@ def test_triton_start_up_runs_once_off_thread_and_compiles_wait_for_it(
         threading.Event().wait(0.05)
     assert pools == [1], f"worker processes started {len(pools)} times"
     launch_mod.runtime_ready()  # done: returns at once
+
+
+def test_a_failed_start_up_is_left_to_the_first_compile(concurrent, monkeypatch) -> None:
+    """A start-up that raises (no C compiler, a broken Triton install) does not raise where
+    flexfa waits for it: the first compile meets the same problem and reports it itself."""
+
+    def broken(device: int) -> None:
+        raise RuntimeError("no host compiler")
+
+    monkeypatch.setattr(launch_mod, "_runtime", None)
+    monkeypatch.setattr(launch_mod, "_workers_started", False)
+    monkeypatch.setattr(launch_mod, "_start_runtime", broken)
+    launch_mod.start_runtime(with_workers=False)
+    launch_mod._runtime.exception(10)  # finished, with its error
+    launch_mod.runtime_ready()  # does not raise
+    ran = []
+    launch_mod.run_logged(("failed start-up test",), "demo", lambda: ran.append(1))
+    assert ran == [1]
