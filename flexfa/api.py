@@ -106,8 +106,8 @@ def attention(
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     # Note [Triton's start-up]; not while torch.compile traces the call: Dynamo would have to trace
     # the compile pool (a graph break, an error under fullgraph=True).
-    if not torch.compiler.is_compiling() and _on_cuda(q):
-        _start_triton(_needs_grad(q, k, v))
+    if _triton_level < 2 and not torch.compiler.is_compiling() and _on_cuda(q):
+        _start_triton(q, k, v)
     packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
         score_mod, block_mask, packed = _packed(
@@ -205,10 +205,20 @@ def _on_cuda(q) -> bool:
     return isinstance(q, torch.Tensor) and q.is_cuda
 
 
-def _start_triton(with_workers: bool) -> None:
+# What this process has asked of Triton's start-up (Note [Triton's start-up]): 0 nothing, 1 the
+# start-up, 2 the start-up and the compile workers; calls check it first and skip the rest.
+_triton_level = 0
+
+
+def _start_triton(q, k, v) -> None:
+    global _triton_level
+    level = 2 if _needs_grad(q, k, v) else 1
+    if level <= _triton_level:
+        return
     from flexfa.codegen.triton.launch import start_runtime
 
-    start_runtime(with_workers)
+    start_runtime(with_workers=level == 2)
+    _triton_level = level
 
 
 def _needs_grad(q, k, v) -> bool:

@@ -302,7 +302,10 @@ def test_triton_start_up_is_asked_for_eagerly_and_never_traced(monkeypatch):
 
     asked = []
     monkeypatch.setattr(api, "_on_cuda", lambda q: True)
-    monkeypatch.setattr(api, "_start_triton", lambda with_workers: asked.append(with_workers))
+    monkeypatch.setattr(api, "_triton_level", 0)
+    monkeypatch.setattr(
+        api, "_start_triton", lambda q, k, v: asked.append(api._needs_grad(q, k, v))
+    )
     q, k, v = (torch.randn(1, 2, 33, 16, requires_grad=True) for _ in range(3))
     flexfa.attention(q, k, v, block_mask=flexfa.masks.causal)
     assert asked == [True], asked  # gradients wanted: the compile workers too

@@ -146,3 +146,25 @@ def test_a_failed_start_up_is_left_to_the_first_compile(concurrent, monkeypatch)
     ran = []
     launch_mod.run_logged(("failed start-up test",), "demo", lambda: ran.append(1))
     assert ran == [1]
+
+
+def test_calls_ask_for_the_start_up_once_per_level(monkeypatch) -> None:
+    """Eager calls ask for the start-up once, and for the workers once a call wants gradients;
+    later calls stop at one module-level test (Note [Triton's start-up])."""
+    import torch
+
+    import flexfa.api as api
+
+    asked = []
+    monkeypatch.setattr(api, "_triton_level", 0)
+    monkeypatch.setattr(
+        launch_mod, "start_runtime", lambda with_workers: asked.append(with_workers)
+    )
+    x = torch.randn(1, 1, 4, 8)
+    y = x.clone().requires_grad_()
+    for q in (x, x, y, y, x):
+        api._start_triton(q, x, x)
+    assert asked == [False, True], asked
+    with torch.no_grad():
+        api._start_triton(y, x, x)
+    assert asked == [False, True], asked
