@@ -156,10 +156,11 @@ def _compile_and_load(label: str, device: int, kernel: Any, warm: Callable[[], A
 # inside the forward's compile, on the call's critical path (docs/performance.md, "Where a cold
 # first call goes"). `start_runtime`, called as a call on CUDA (or a block mask built with the
 # fused kernels) begins, does them on the compile pool, and starts the compile workers when the
-# call will have background compiles, while the call traces its mods and builds its block mask
-# (after the first, it returns at its first test). Every
-# flexfa path into Triton (a first launch, a compile on the pool, a direct launch's first call)
-# waits for it first with `runtime_ready` (free once it is done), so Triton's driver, which
+# call will have background compiles, while the call traces its mods and builds its block mask.
+# `flexfa.attention` asks once per level (start-up, then workers for the first call that wants
+# gradients) and later calls stop at one module-level test; torch.compile never traces it.
+# Every flexfa path into Triton (a first launch, a compile on the pool, a direct launch's first
+# call) waits for it first with `runtime_ready` (free once it is done), so Triton's driver, which
 # Triton creates lazily and without a lock, is created by that one thread: two threads creating
 # it at once, as a pool thread and the main thread could before, each built the helper module.
 _runtime: concurrent.futures.Future | None = None
