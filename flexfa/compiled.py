@@ -185,7 +185,7 @@ class Described:
                 t if i is None else score_tensors[i]
                 for t, i in zip(score.tensors, self.score_inputs)
             )
-            score = dataclasses.replace(score, tensors=tensors, scalar_values=tuple(scalars))
+            score = score.rebound(tensors=tensors, scalar_values=tuple(scalars))
         if mask is not None and self.mask_inputs:
             tensors = tuple(
                 t if i is None else mask_tensors[i] for t, i in zip(mask.tensors, self.mask_inputs)

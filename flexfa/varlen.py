@@ -298,7 +298,7 @@ class _Packed:
         twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
         real = dict(zip(map(id, stand_ins), (p.seq_q, p.pos_q, p.seq_kv, p.pos_kv)))
         tensors = tuple(real.get(id(t), t) for t in twin.tensors)
-        return dataclasses.replace(twin, tensors=tensors, fn=fn)
+        return twin.rebound(tensors=tensors, fn=fn)
 
     def block_mask(self, traced, grid):
         """The BlockMask of the packed mask `traced` on `grid`, from the offsets (Note [Packed

@@ -122,13 +122,27 @@ class TracedMod:
         return format_graph({"out": self.output}, title=title)
 
     def with_tensors(self, tensors: tuple[torch.Tensor, ...]) -> TracedMod:
-        return dataclasses.replace(self, tensors=tensors)
+        return self.rebound(tensors=tensors)
 
     def with_scalar_values(self, values: tuple[float, ...]) -> TracedMod:
         """The same trace with other values of its lifted scalars (Note [Lifted scalars])."""
         if len(values) != len(self.scalars):
             raise ValueError(f"{self.name}: {len(self.scalars)} scalar values expected")
-        return dataclasses.replace(self, scalar_values=tuple(values))
+        return self.rebound(scalar_values=tuple(values))
+
+    def rebound(self, **changes: Any) -> TracedMod:
+        """The same trace bound to other tensors, scalar values or function (`changes`), keeping
+        what was already computed from its IR (`key`, `variables`), which depends on none of them:
+        a packed batch rebinds its mods at every new batch, and a toposort of the IR there costs
+        more than the rest of the rebinding."""
+        if not set(changes) <= {"tensors", "scalar_values", "fn"}:
+            raise TypeError(f"rebound changes only tensors, scalar_values and fn, not {changes}")
+        new = dataclasses.replace(self, **changes)
+        # The functools.cached_property values, computed once on `self` (the trace caches keep it
+        # and rebind it at every call) and carried to every rebinding.
+        for name in ("key", "variables"):
+            new.__dict__[name] = getattr(self, name)
+        return new
 
 
 @functools.lru_cache(maxsize=512)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flexfa
@@ -124,3 +125,20 @@ def test_a_module_mod_is_cached_by_its_parameters():
     assert trace_score_mod(bias) is first and first.tensors[0] is bias.table
     bias.table = torch.nn.Parameter(torch.zeros(4))  # a new parameter: traced again, bound to it
     assert trace_score_mod(bias).tensors[0] is bias.table
+
+
+def test_rebound_keeps_what_the_ir_decides_and_binds_the_rest() -> None:
+    """`TracedMod.rebound` gives the same key and variables as a fresh computation (it carries
+    them over instead of walking the IR again), with the new tensors, and changes nothing else."""
+    import dataclasses
+
+    table = torch.randn(8)
+    traced = trace_score_mod(lambda s, b, h, q, kv: s + table[q % 8])
+    key, variables = traced.key, traced.variables  # computed and cached on `traced`
+    other = torch.randn(8)
+    new = traced.rebound(tensors=(other,))
+    assert new.tensors[0] is other and traced.tensors[0] is table
+    fresh = dataclasses.replace(traced, tensors=(other,))  # nothing cached on it
+    assert new.key == fresh.key == key and new.variables == fresh.variables == variables
+    with pytest.raises(TypeError, match="rebound changes only"):
+        traced.rebound(output=traced.output)
