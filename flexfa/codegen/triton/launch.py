@@ -110,8 +110,40 @@ def concurrent_enabled() -> bool:
     return config.concurrent_compile and not config.triton_interpret and torch.cuda.is_available()
 
 
+class ArgStandIn:
+    """A tensor argument as Triton's specialization sees it (its dtype and whether its address is a
+    multiple of 16), holding no reference to the tensor (Note [Compiles hold no tensors])."""
+
+    __slots__ = ("_low_bits", "dtype")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.dtype = tensor.dtype
+        self._low_bits = tensor.data_ptr() & 15
+
+    def data_ptr(self) -> int:
+        return self._low_bits
+
+
+# Note [Compiles hold no tensors]
+# A compile on the pool runs for seconds after the call that started it has returned, and
+# `prewarm`'s launches carry the forward's output, its LSE and stand-ins made by the forward. Under
+# `torch.compile(mode="reduce-overhead")` those are blocks of the CUDA graph's private pool, and a
+# compile still holding them when the graph trees check the pool ("tensor(s) in the cudagraph
+# pool not tracked as outputs") fails the step (an H200 run of tests/e2e/test_compile.py did, when
+# the backward's compile outlived the warm-up run). A compile reads nothing of a tensor but what
+# Triton specializes on, its dtype and the alignment of its address, so `_submit` hands the pool
+# `ArgStandIn`s (Triton takes any object with `dtype` and `data_ptr()` as a pointer argument, as
+# its own `MockTensor`), and the tensors are freed when their caller lets them go.
+
+
+def _without_tensors(kl: KernelLaunch) -> KernelLaunch:
+    args = tuple(ArgStandIn(a) if isinstance(a, torch.Tensor) else a for a in kl.args)
+    return dataclasses.replace(kl, args=args)
+
+
 def _submit(cold: list[KernelLaunch]) -> list[concurrent.futures.Future]:
     device = torch.cuda.current_device()
+    cold = [_without_tensors(kl) for kl in cold]
 
     def compile_one(kl: KernelLaunch) -> None:
         _compile_and_load(

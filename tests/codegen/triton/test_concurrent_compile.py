@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import pytest
@@ -119,3 +120,37 @@ def test_a_forward_that_needs_a_backward_starts_its_compiles(monkeypatch, tmp_pa
         flexfa.attention(q, k, v, score_mod=bias, block_mask=flexfa.masks.causal, backend="triton")
     assert [kl.name for kl in started] == ["bwd_preprocess", "bwd_dkdv", "bwd_dq"]
     assert started[2].constexprs["CAPTURE_MODE"] == 1
+
+
+def test_a_pending_compile_holds_no_tensor_of_the_call(fake_gpu):
+    """Note [Compiles hold no tensors]: under CUDA graphs a compile that outlives the call must
+    not keep the call's tensors (blocks of the graph's pool) alive; it gets stand-ins that Triton
+    specializes exactly as it does the tensors."""
+    import weakref
+
+    import torch
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    release = threading.Event()
+
+    class Slow(_Kernel):
+        def warmup(self, *args, grid, num_warps, num_stages, **constexprs):
+            release.wait(timeout=10)
+            self.warmed.append(args)
+
+    base = torch.empty(64, dtype=torch.bfloat16)
+    aligned, misaligned = base[:32], base[1:33]  # addresses 0 and 2 bytes past a 16-byte multiple
+    watch = [weakref.ref(base)]
+    kernel = Slow(threading.Barrier(1))
+    kl = dataclasses.replace(_launch(kernel, "holds"), args=(aligned, misaligned, 7))
+    del base
+    tlaunch.prewarm([kl])
+    del kl, aligned, misaligned
+    assert watch[0]() is None, "the pending compile keeps the call's tensor alive"
+    release.set()
+    tlaunch._await_pending(_launch(kernel, "holds"))
+    (args,) = kernel.warmed
+    specialized = [native_specialize_impl(BaseBackend, a, False, True, True) for a in args[:2]]
+    assert specialized == [("*bf16", "D"), ("*bf16", "")], specialized
+    assert args[2] == 7
