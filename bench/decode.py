@@ -11,10 +11,11 @@ one process, timed by `triton.testing.do_bench` (median):
   paged       flexfa over a page pool (page size --page, random page order), default configuration
 
     python bench/decode.py [--lkv 4096,32768] [--lq 1,4] [--systems sdpa,flex,flexfa,paged]
-        [--sweep 32768] [--masked] [--budget 400]
+        [--sweep 32768 [--configs JSON]] [--masked] [--budget 400]
 
 `--sweep L` times several (decode_block_n, decode_num_stages, decode_num_warps, decode_splits)
-configurations at Lkv = L for each Lq, and `flexfa_best` uses the best one at every Lkv.
+configurations at Lkv = L for each Lq (`--configs` gives them as a JSON list of kernel_options
+instead), and `flexfa_best` uses the best one at every Lkv.
 `--masked` adds ALiBi + sliding window 4096 and a document mask (Lq=1) against torch flex, also
 captured in CUDA graphs (GPU time without the host's).
 One JSON line per measurement; a table at the end; $OUT/decode.json when OUT is set. `--budget`
@@ -86,6 +87,21 @@ def paged_copy(k: torch.Tensor, v: torch.Tensor, page: int, seed: int = 0):
     return pool(k), pool(v), table, lens
 
 
+# kernel_options the sweep times after the defaults ({}); --configs replaces them.
+SWEEP = (
+    [dict(decode_merge="separate")]
+    + [
+        dict(decode_block_n=bn, decode_num_stages=st, decode_num_warps=w)
+        for bn, st, w in ((64, 4, 4), (64, 3, 2), (128, 3, 4), (64, 3, 8), (64, 4, 8), (32, 4, 4))
+    ]
+    + [dict(decode_splits=splits) for splits in (4, 5, 6, 10, 12, 16)]
+    + [
+        dict(decode_splits=4, **extra)
+        for extra in (dict(decode_num_warps=8), dict(decode_num_stages=4))
+    ]
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lkv", default="4096,32768,131072")
@@ -96,6 +112,7 @@ def main() -> None:
     ap.add_argument("--masked", action="store_true")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--budget", type=float, default=1e9)
+    ap.add_argument("--configs", default="", help="JSON list of kernel_options for --sweep")
     a = ap.parse_args()
     start = time.perf_counter()
     systems = a.systems.split(",")
@@ -128,20 +145,7 @@ def main() -> None:
         for lq in lqs:
             q, k, v = inputs(lkv, lq)
             ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            configs = [{}, dict(decode_merge="separate")]
-            for bn, st, w in (
-                (64, 4, 4),
-                (64, 3, 2),
-                (128, 3, 4),
-                (64, 3, 8),
-                (64, 4, 8),
-                (32, 4, 4),
-            ):
-                configs.append(dict(decode_block_n=bn, decode_num_stages=st, decode_num_warps=w))
-            for splits in (4, 5, 6, 10, 12, 16):
-                configs.append(dict(decode_splits=splits))
-            for extra in (dict(decode_num_warps=8), dict(decode_num_stages=4)):
-                configs.append(dict(decode_splits=4, **extra))
+            configs = [{}] + (json.loads(a.configs) if a.configs else SWEEP)
             results = []
             for opts in configs:
                 if time.perf_counter() - start > a.budget * 0.6:

@@ -6,7 +6,8 @@ with a per-head scale in the score_mod (`score * k_scale[h]`), as an fp8 cache i
 output is checked against flexfa on the same fp8 values upcast to bf16 (relative error). Timing:
 `triton.testing.do_bench` medians; tokens/s = B * Lq / time; "vs bf16" is the tokens/s ratio
 (the goal: >= 1.8). "fp8 bn64" pins 64-key tiles (the default for fp8 is 128, Note [Decode
-configs]) to show what the larger tile gives.
+configs]) to show what the larger tile gives; "fp8 v keys-inner" stores V as (B, Hkv, D, Lkv), keys
+contiguous (no byte-wise shared-memory reads of V in its PTX, `bench/fp8_ptx.py --v-keys-inner`).
 
     python bench/fp8_decode.py [--lkv 32768,131072] [--lq 1,4] [--rep 100] [--e5m2]
         [--paged [--page 128]]
@@ -83,9 +84,14 @@ def main() -> None:
     def dequant(score, b, h, q_idx, kv_idx):
         return score * k_scale[h]
 
-    kinds = [("fp8", torch.float8_e4m3fn, None), ("fp8 bn64", torch.float8_e4m3fn, 64)]
+    # (name, dtype, pinned tile keys, V stored keys inner: (B, Hkv, D, Lkv) seen transposed)
+    kinds = [
+        ("fp8", torch.float8_e4m3fn, None, False),
+        ("fp8 bn64", torch.float8_e4m3fn, 64, False),
+        ("fp8 v keys-inner", torch.float8_e4m3fn, None, True),
+    ]
     if a.e5m2:
-        kinds.append(("fp8 e5m2", torch.float8_e5m2, None))
+        kinds.append(("fp8 e5m2", torch.float8_e5m2, None, False))
     table = []
     for lkv in [int(x) for x in a.lkv.split(",")]:
         k16 = torch.randn(B, HKV, lkv, D, device=DEV, dtype=DT, generator=g)
@@ -98,9 +104,11 @@ def main() -> None:
                 us = bench(fn, a.rep)
                 row["bf16"] = us
                 emit(Lq=lq, Lkv=lkv, kv="bf16", us=us, tokens_s=B * lq / us * 1e6)
-                for name, dt, block_n in kinds:
+                for name, dt, block_n, keys_inner in kinds:
                     k8 = (k16 / 8).to(dt)  # quantized with scale 8 (folded into k_scale's range)
                     v8 = v16.to(dt)
+                    if keys_inner:
+                        v8 = v8.transpose(-1, -2).contiguous().transpose(-1, -2)
                     opts = {"decode_block_n": block_n} if block_n else None
                     fn = lambda: flexfa.attention(
                         q, k8, v8, dequant, enable_gqa=True, kernel_options=opts
@@ -134,9 +142,15 @@ def main() -> None:
                         emit(Lq=lq, Lkv=lkv, sweep=opts, us=us, vs_bf16=row["bf16"] / us)
                     k8 = v8 = None
                 if a.paged:
-                    for name, dt in (("paged bf16", DT), ("paged fp8", torch.float8_e4m3fn)):
+                    for name, dt, keys_inner in (
+                        ("paged bf16", DT, False),
+                        ("paged fp8", torch.float8_e4m3fn, False),
+                        ("paged fp8 v keys-inner", torch.float8_e4m3fn, True),
+                    ):
                         kp, vp, pt, lens = paged_copy(k16 / 8, v16, a.page)  # in bf16
                         kp, vp = kp.to(dt), vp.to(dt)
+                        if keys_inner:  # pages (num_pages, Hkv, D, page) seen transposed
+                            vp = vp.transpose(-1, -2).contiguous().transpose(-1, -2)
                         mod = dequant if dt != DT else None
                         fn = lambda: flexfa.attention(
                             q, kp, vp, mod, enable_gqa=True, page_table=pt, kv_lens=lens
@@ -150,7 +164,11 @@ def main() -> None:
             table.append(row)
         torch.cuda.empty_cache()
 
-    names = ["bf16"] + [n for n, _, _ in kinds] + (["paged bf16", "paged fp8"] if a.paged else [])
+    names = (
+        ["bf16"]
+        + [n for n, *_ in kinds]
+        + (["paged bf16", "paged fp8", "paged fp8 v keys-inner"] if a.paged else [])
+    )
     print("\n| Lq, Lkv | " + " | ".join(f"{n} µs" for n in names) + " | fp8 vs bf16 tokens/s |")
     print("|---" * (len(names) + 2) + "|")
     for r in table:

@@ -29,10 +29,14 @@ from flexfa.codegen.triton import decode
 from flexfa.codegen.triton.offline import compile_launch
 
 
-def count(q_dtype: torch.dtype, kv_dtype: torch.dtype, lkv: int) -> dict:
+def count(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, lkv: int, v_keys_inner: bool = False
+) -> dict:
     B, Hq, Hkv, D = 8, 32, 8, 128
     q = torch.empty(B, Hq, 1, D, dtype=q_dtype)
     k, v = (torch.empty(B, Hkv, lkv, D, dtype=kv_dtype) for _ in "kv")
+    if v_keys_inner:  # V stored (B, Hkv, D, Lkv): keys are its contiguous dim
+        v = torch.empty(B, Hkv, D, lkv, dtype=kv_dtype).transpose(-1, -2)
     spec = build_spec(q, k, v, None, None, enable_gqa=True)
     out, lse = torch.empty(B, Hq, 1, D, dtype=q_dtype), torch.empty(B, Hq, 1)
     launch = decode.launches(spec, q, k, v, out, lse, capability=(9, 0), force_compiled=True)[0]
@@ -40,6 +44,7 @@ def count(q_dtype: torch.dtype, kv_dtype: torch.dtype, lkv: int) -> dict:
     cvts = collections.Counter(re.findall(r"\bcvt\.[\w.]+", ptx))
     return dict(
         kv=str(kv_dtype).removeprefix("torch."),
+        v_keys_inner=v_keys_inner,
         block_n=launch.constexprs["BLOCK_N"],
         f16_dot=launch.constexprs.get("F16_DOT"),
         conversions={c: n for c, n in cvts.items() if "s32" not in c and "s64" not in c},
@@ -60,10 +65,13 @@ def main() -> None:
     ap.add_argument("--q-dtype", default="bfloat16")
     ap.add_argument("--kv-dtype", default="float8_e4m3fn")
     ap.add_argument("--lkv", type=int, default=32768)
+    ap.add_argument("--v-keys-inner", action="store_true", help="also V stored keys-contiguous")
     a = ap.parse_args()
     q_dtype = getattr(torch, a.q_dtype)
     for kv_dtype in (q_dtype, getattr(torch, a.kv_dtype)):
         print(count(q_dtype, kv_dtype, a.lkv))
+        if a.v_keys_inner:
+            print(count(q_dtype, kv_dtype, a.lkv, v_keys_inner=True))
 
 
 if __name__ == "__main__":

@@ -105,8 +105,10 @@ def attention(
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, got {type(backend).__name__}")
     # Note [Triton's start-up]; not while torch.compile traces the call: Dynamo would have to trace
-    # the compile pool (a graph break, an error under fullgraph=True).
-    if _triton_level < 2 and not torch.compiler.is_compiling() and _on_cuda(q):
+    # the compile pool (a graph break, an error under fullgraph=True). `is_compiling()` comes first
+    # so that Dynamo never reads `_triton_level`: a guard on it would recompile the graph once an
+    # eager call outside it raised the level.
+    if not torch.compiler.is_compiling() and _triton_level < 2 and _on_cuda(q):
         _start_triton(q, k, v)
     packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:

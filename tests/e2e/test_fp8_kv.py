@@ -123,6 +123,27 @@ def test_fp8_kv_matches_reference(case, decode_calls):
     assert len(decode_calls) == int(via_decode)
 
 
+def _keys_inner(v):
+    """The same values with V stored (B, H, E, L), keys its contiguous dim (a cache layout that
+    spares the kernel fp8's byte-wise reads of V, docs/performance.md; it is not faster)."""
+    return v.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
+@pytest.mark.parametrize("len_q", [1, 4])
+def test_fp8_v_stored_keys_inner(len_q, decode_calls):
+    q, k, v, k_scale = _inputs(2, 8, 2, len_q, 37, 16, torch.float16, E4M3, E4M3, seed=3)
+    v = _keys_inner(v)
+    assert v.stride(-2) == 1
+    score_mod, mask_mod = _per_head(k_scale), _decode_causal(len_q, 37)
+    options = dict(INTERPRETER_TILES, decode_splits=2)
+    out, lse = flexfa.attention(
+        q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True, backend="triton",
+        kernel_options=options,
+    )  # fmt: skip
+    _check(out, lse, q, k, v, score_mod, mask_mod, f"Lq={len_q}", enable_gqa=True)
+    assert len(decode_calls) == 1
+
+
 @pytest.mark.parametrize("backend", ["tiled", "triton"])
 def test_fp8_paged_kv_cache(backend):
     """A paged fp8 cache (PagedKVCache in float8_e4m3fn) gives what the same keys give unpaged."""
@@ -250,16 +271,20 @@ def test_fp8_kernels_compile_for_sm90_without_a_gpu(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keys_inner", [False, True], ids=["v_rows", "v_keys_inner"])
 @pytest.mark.parametrize("kv_dtype", [E4M3, E5M2])
 @pytest.mark.parametrize("len_q", [1, 4, 300])
-def test_fp8_kv_on_gpu(kv_dtype, len_q, decode_calls):
+def test_fp8_kv_on_gpu(kv_dtype, len_q, keys_inner, decode_calls):
     """Compiled kernels, bf16 q, fp8 K/V, D=128, GQA 4, a per-head K scale and a decode-causal
-    mask at a ragged length; Lq=1 and 4 take the decode path, 300 the attention kernel."""
+    mask at a ragged length; Lq=1 and 4 take the decode path, 300 the attention kernel; V as
+    stored rows of keys, or keys inner."""
     dev = "cuda"
     B, Hq, Hkv, Lkv, E = 2, 8, 2, 1000, 128
     q, k, v, k_scale = _inputs(
         B, Hq, Hkv, len_q, Lkv, E, torch.bfloat16, kv_dtype, kv_dtype, device=dev
     )
+    if keys_inner:
+        v = _keys_inner(v)
     score_mod, mask_mod = _per_head(k_scale), _decode_causal(len_q, Lkv)
     with torch.no_grad():
         out, lse = flexfa.attention(q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True)
