@@ -363,3 +363,18 @@ def test_decode_replays_in_a_cuda_graph(options):
             q.copy_(torch.randn(q.shape, device=dev, dtype=dt, generator=g))
             graph.replay()
             torch.testing.assert_close(out, step(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("len_q, splits", [(1, 8), (4, 8), (16, 4)])
+def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, splits):
+    """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): four
+    programs per SM for row tiles under 64 rows, two (one wave) for tiles of 64 rows, as measured."""
+    from flexfa.api import build_spec
+
+    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
+    q = torch.empty(8, 32, len_q, 128, dtype=torch.bfloat16)
+    k = v = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16)
+    spec = build_spec(q, k, v, None, None, enable_gqa=True)
+    cfg = decode.default_config(spec, (9, 0), max_blocks=32768 // 128, tiles=1)
+    assert cfg.num_splits == splits, cfg
+    assert cfg.block_m == max(16, 4 * len_q)

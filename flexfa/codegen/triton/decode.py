@@ -197,9 +197,11 @@ def default_config(
     tiles_per_block = sparse_kv // block_n
     splits = opts.get("decode_splits")
     if splits is None:
-        # Note [Decode configs]: about two programs per SM, but each split keeps a few KV tiles.
+        # Note [Decode configs]: a few programs per SM (two for tiles of 64 rows or more), but
+        # each split keeps a few KV tiles.
         programs = spec.batch * spec.heads_kv * tiles
-        want = max(1, round(4 * _num_sms(spec.device) / programs))
+        per_sm = 2 if block_m >= 64 else 4
+        want = max(1, round(per_sm * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
     merge = opts.get("decode_merge", "fused")  # Note [Fused merge]
@@ -221,7 +223,11 @@ def default_config(
 # Decoding reads every K/V byte once and computes little, so what matters is enough loads in
 # flight: enough programs (about four per SM: splits = round(4 * SMs / (B * Hkv * row tiles))) and
 # a pipeline a few tiles deep in each. On an H200 (132 SMs) with B * Hkv = 64, 8 splits beat 5 by
-# 25% at Lq=16 and matched them at Lq=1 and 4; 2 splits lost 35-60% (docs/performance.md). A split
+# 25% at Lq=16 and matched them at Lq=1 and 4; 2 splits lost 35-60% (docs/performance.md).
+# Row tiles of 64 rows or more (Lq=16 with a GQA group of 4) hold more registers, two programs per
+# SM, and there one wave of about two programs per SM was best: at Lq=16, 32k keys, 4 splits (256
+# programs on 132 SMs) took 269-274 us against 291-300 for 8 and 321-333 for 6 (bench/decode.py
+# --sweep, three H200 runs), so such tiles aim at two programs per SM rather than four. A split
 # shorter than a few KV tiles costs more in its partial output and the merge than it saves, hence
 # _MIN_TILES_PER_SPLIT.
 # An fp8 KV cache (Note [fp8 K/V] in flexfa/spec.py) holds half the bytes per key, so its tiles
