@@ -12,7 +12,7 @@ import torch
 import flexfa
 from flexfa.codegen.triton import decode
 from flexfa.reference import reference_attention
-from tests.e2e.harness import Problem, check_attention, maker
+from tests.e2e.harness import INTERPRETER_TILES, Problem, check_attention, maker
 from tests.mods import mask_mod, score_mod
 from tests.tolerance import ThreeWay
 
@@ -105,6 +105,29 @@ def test_gradients_take_the_attention_kernels(decode_calls):
         again = flexfa.attention(q, k, v, backend="triton")
     assert len(decode_calls) == 1
     torch.testing.assert_close(again, out.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_a_repeated_decode_call_reuses_its_prepared_plan(monkeypatch, decode_calls):
+    """Note [Decode host time]: a repeated inference call passes the same spec, whose prepared
+    plan is found without building its key (the key's first step, the device's capability, is
+    not asked again), and its output is the first call's."""
+    torch.manual_seed(11)
+    q, k, v = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    opts = dict(INTERPRETER_TILES, decode_splits=2)
+
+    def call():
+        with torch.no_grad():
+            return flexfa.attention(q, k, v, enable_gqa=True, backend="triton", kernel_options=opts)
+
+    first = call()
+
+    def asked(device):
+        raise AssertionError("the prepared plan was looked up by its key again")
+
+    monkeypatch.setattr(decode, "_capability", asked)
+    again = call()
+    assert len(decode_calls) == 2
+    torch.testing.assert_close(again, first, atol=0, rtol=0)
 
 
 def test_decode_option_turns_the_path_off(decode_calls):
