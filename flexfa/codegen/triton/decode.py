@@ -347,10 +347,9 @@ class _Prepared:
 # (`_by_spec`), builds the merge kernel's arguments only when that kernel runs, and does not enter
 # `no_grad` when gradients are off already: on the 2-core CPU its host work went from 16.2-19.0 to
 # 14.2-15.8 us (`python bench/host_overhead.py`, four rounds interleaved with the code before),
-# 20.7-23.0 to 18.7-20.2 with ALiBi and a sliding window.
-# A repeated inference call (Note [Repeated inference calls] in flexfa/api.py) passes the same
-# AttentionSpec object every time: `_by_spec` answers it without building the key, for the last
-# few specs.
+# 20.7-23.0 to 18.7-20.2 with ALiBi and a sliding window. (A repeated inference call, Note
+# [Repeated inference calls] in flexfa/api.py, passes the same AttentionSpec object every time;
+# `_by_spec` keeps the last few, so their ids stay theirs.)
 _prepared: weakref.WeakKeyDictionary[BlockMask, dict[tuple, _Prepared]] = (
     weakref.WeakKeyDictionary()
 )
