@@ -52,7 +52,7 @@ from flexfa.blockmask.fused_plan import How, KernelLineInput, PrefixInput, load_
 from flexfa.blockmask.grid import TileGrid
 from flexfa.blockmask.lines import Sig, _Line
 from flexfa.codegen.triton.emit import capture_values
-from flexfa.codegen.triton.launch import compiling_in_background, run_logged
+from flexfa.codegen.triton.launch import compiling_in_background, launch_default
 from flexfa.frontend.trace import TracedMod
 
 if TYPE_CHECKING:
@@ -237,7 +237,7 @@ def build(
     if compiling_in_background(fast_key, label, kernel, warm):
         log.debug("flexfa: packed block mask of %s takes the torch builder: compiling", name)
         return None
-    run_logged(fast_key, label, lambda: kernel[(nq + nkv, H)](*args, **constexprs))
+    launch_default(fast_key, label, kernel, (nq + nkv, H), args, constexprs)
     parts = out.split(sizes)
     return BlockMask(
         q_len=grid.q_len,

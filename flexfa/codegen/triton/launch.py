@@ -332,6 +332,7 @@ def _fast_key(kl: KernelLaunch) -> tuple:
 
 
 _direct: dict[tuple, DirectLaunch] = {}
+_FINGERPRINTS_KEPT = 64
 
 
 def launch(kl: KernelLaunch) -> None:
@@ -354,6 +355,21 @@ def launch(kl: KernelLaunch) -> None:
     run_logged(key, kl.label, run)
 
 
+def launch_default(
+    fast_key: tuple, label: str, kernel: Any, grid: tuple[int, ...], args: tuple, constexprs: dict
+) -> None:
+    """`kernel[grid](*args, **constexprs)` with Triton's default options, through `run_logged`
+    the first time for `fast_key` and directly after that (Note [Direct launches])."""
+    if fast_key in _launched:
+        key = (id(kernel), *constexprs.items())
+        direct = _direct.get(key)
+        if direct is None:
+            direct = _direct[key] = DirectLaunch(kernel, constexprs, None, None)
+        direct(grid, args)
+        return
+    run_logged(fast_key, label, lambda: kernel[grid](*args, **constexprs))
+
+
 # Note [Direct launches]
 # `kernel[grid](*args, **constexprs)` goes through Triton's `JITFunction.run` on every call: it
 # reads its knobs, binds and specializes every argument, builds a cache key from the
@@ -364,8 +380,11 @@ def launch(kl: KernelLaunch) -> None:
 # (`CompiledKernel[grid](*all_args)`, Triton's public launcher of a compiled kernel). The
 # fingerprint holds everything Triton specializes a kernel on that can vary between calls with the
 # same constexprs and options: each tensor's dtype and address modulo 16, each integer's and
-# bool's value (Triton specializes integers on divisibility by 16, on 1 and on their width), the
-# type of every other argument, and the current device. A new fingerprint goes through `JITFunction.run` once
+# bool's value, the type of every other argument, and the current device. A fingerprint not seen
+# yet is reduced to the specialization itself (an integer's class: equal to 1, divisible by 16,
+# and its width, which is what Triton specializes integers on), and a known specialization gives
+# its kernel without Triton's path: a length that grows every decode step keeps its kernel. The
+# fingerprints, cheaper to compute than the classes, are kept for the last few dozen values. A new fingerprint goes through `JITFunction.run` once
 # (which compiles or finds the specialization) and is remembered. Under TRITON_INTERPRET there is
 # no compiled kernel, and every call goes through the JIT function; FLEXFA_DIRECT_LAUNCH=0 does the
 # same on a GPU.
@@ -378,6 +397,7 @@ class DirectLaunch:
     per-call work after the first call with each argument fingerprint (Note [Direct launches])."""
 
     __slots__ = (
+        "_by_specialization",
         "_compiled",
         "_constexpr_values",
         "constexprs",
@@ -386,7 +406,13 @@ class DirectLaunch:
         "num_warps",
     )
 
-    def __init__(self, kernel: Any, constexprs: dict[str, Any], num_warps: int, num_stages: int):
+    def __init__(
+        self,
+        kernel: Any,
+        constexprs: dict[str, Any],
+        num_warps: int | None,
+        num_stages: int | None,
+    ):
         self.kernel = kernel
         self.constexprs = constexprs
         self.num_warps = num_warps
@@ -400,7 +426,8 @@ class DirectLaunch:
             if set(tail) == set(constexprs) and config.direct_launch
             else None
         )
-        self._compiled: dict[tuple, Any] = {}
+        self._compiled: dict[tuple, Any] = {}  # by fingerprint
+        self._by_specialization: dict[tuple, Any] = {}
 
     def __call__(self, grid: tuple[int, ...], args: list | tuple) -> None:
         if self._constexpr_values is None or config.triton_interpret:
@@ -409,26 +436,60 @@ class DirectLaunch:
         key = _fingerprint(args)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._jit(grid, args)
-            if compiled is not None and hasattr(compiled, "__getitem__"):
-                self._compiled[key] = compiled
-            return
+            spec = _specialization(args)
+            compiled = self._by_specialization.get(spec)
+            if compiled is None:
+                compiled = self._jit(grid, args)
+                if compiled is not None and hasattr(compiled, "__getitem__"):
+                    self._by_specialization[spec] = compiled
+                    self._remember(key, compiled)
+                return
+            self._remember(key, compiled)
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)  # it indexes 3 dims
+
+    def _remember(self, key: tuple, compiled: Any) -> None:
+        if len(self._compiled) >= _FINGERPRINTS_KEPT:  # lengths that change every call
+            self._compiled.clear()
+        self._compiled[key] = compiled
 
     def _jit(self, grid: tuple[int, ...], args: list | tuple) -> Any:
         runtime_ready()
-        return self.kernel[grid](
-            *args, num_warps=self.num_warps, num_stages=self.num_stages, **self.constexprs
-        )
+        options = {"num_warps": self.num_warps, "num_stages": self.num_stages}
+        options = {k: v for k, v in options.items() if v is not None}  # None: Triton's default
+        return self.kernel[grid](*args, **options, **self.constexprs)
 
 
 def _fingerprint(args: list | tuple) -> tuple:
-    """What Triton's specialization of a launch depends on (Note [Direct launches])."""
+    """The arguments' values where Triton's specialization may depend on them: a fast key, finer
+    than Triton's own (Note [Direct launches])."""
     return (
         torch.cuda.current_device(),
         *[
             a
             if type(a) is int or type(a) is bool
+            else (a.dtype, a.data_ptr() & 15)
+            if isinstance(a, torch.Tensor)
+            else type(a)
+            for a in args
+        ],
+    )
+
+
+def _int_class(a: int) -> tuple[bool, bool, bool, bool]:
+    """What Triton specializes an integer argument on: equal to 1, divisible by 16, and its type
+    (i32, i64 or u64). Lengths that change from call to call share a class, and a kernel."""
+    return (a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63)
+
+
+def _specialization(args: list | tuple) -> tuple:
+    """What Triton's specialization of a launch depends on, exactly (Note [Direct launches])."""
+    return (
+        torch.cuda.current_device(),
+        *[
+            _int_class(a)
+            if type(a) is int
+            else a
+            if type(a) is bool
             else (a.dtype, a.data_ptr() & 15)
             if isinstance(a, torch.Tensor)
             else type(a)

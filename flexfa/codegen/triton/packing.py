@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexfa.codegen.triton.launch import compiling_in_background, run_logged
+from flexfa.codegen.triton.launch import compiling_in_background, launch_default
 
 _BLOCK = 1024
 
@@ -49,5 +49,5 @@ def positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]
     warm = lambda: flexfa_packed_positions.warmup(*args, grid=grid, BLOCK=_BLOCK)
     if compiling_in_background(fast_key, label, flexfa_packed_positions, warm):
         return None
-    run_logged(fast_key, label, lambda: flexfa_packed_positions[grid](*args, BLOCK=_BLOCK))
+    launch_default(fast_key, label, flexfa_packed_positions, grid, args, {"BLOCK": _BLOCK})
     return seq, pos

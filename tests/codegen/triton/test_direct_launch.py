@@ -107,10 +107,10 @@ def test_launch_goes_direct_after_the_first_launch(compiled_mode):
         )
 
     try:
-        for n in (32, 32, 32, 48):
+        for n in (32, 32, 32, 33):
             launch_mod.launch(kl(n))
         # 1st: logged JIT launch; 2nd: the DirectLaunch's first (JIT) call; 3rd: direct;
-        # 4th: another integer, so Triton's path again.
+        # 4th: an integer Triton specializes differently, so Triton's path again.
         assert [e[0] for e in jit.log] == ["jit", "jit", "direct", "jit"], jit.log
     finally:
         fast = launch_mod._fast_key(kl(32))
@@ -126,3 +126,48 @@ def test_turned_off_every_call_goes_through_the_jit(compiled_mode):
     for _ in range(3):
         dl((1,), [x, 32, 0.5])
     assert [e[0] for e in jit.log] == ["jit"] * 3
+
+
+def test_a_new_length_of_a_known_specialization_stays_direct(compiled_mode):
+    """A length that changes every call (a growing KV cache) finds the kernel of its
+    specialization class without Triton's path, and the fingerprints kept stay bounded."""
+    jit = FakeJit()
+    dl = DirectLaunch(jit, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    dl((1,), [x, 32, 0.5])
+    for n in range(48, 48 + 16 * 200, 16):  # divisible by 16, like 32
+        dl((1,), [x, n, 0.5])
+    assert [e[0] for e in jit.log] == ["jit"] + ["direct"] * 200
+    assert {e[3][1] for e in jit.log[1:]} == set(range(48, 48 + 16 * 200, 16))
+    assert len(dl._compiled) <= launch_mod._FINGERPRINTS_KEPT
+    dl((1,), [x, 1, 0.5])  # 1 is a constant to Triton
+    dl((1,), [x, 1 << 31, 0.5])  # past int32
+    dl((1,), [x, 49, 0.5])  # another residue mod 16: the class of 33
+    assert [e[0] for e in jit.log[-3:]] == ["jit"] * 3
+
+
+def test_launch_default_goes_direct_after_its_first_launch(compiled_mode):
+    """`launch_default` (the packing kernels): Triton's default options, so no num_warps or
+    num_stages is passed, and direct launches after the first of its key."""
+    jit = FakeJit()
+    seen = []
+
+    def run(*args, **kw):
+        seen.append(sorted(kw))
+        return FakeJit.__getitem__(jit, None)(*args, num_warps=None, num_stages=None, **kw)
+
+    class NoOptions(FakeJit):
+        def __getitem__(self, grid):
+            return run
+
+    k = NoOptions()
+    x = torch.zeros(64)
+    fast = ("packing-test", id(k))
+    try:
+        for n in (32, 64, 96):
+            launch_mod.launch_default(fast, "t", k, (2,), (x, n, 0.5), {"BLOCK": 64, "EVEN": True})
+        assert [e[0] for e in jit.log] == ["jit", "jit", "direct"], jit.log
+        assert seen == [["BLOCK", "EVEN"], ["BLOCK", "EVEN"]]
+    finally:
+        launch_mod._launched.discard(fast)
+        launch_mod._direct.pop((id(k), ("BLOCK", 64), ("EVEN", True)), None)
