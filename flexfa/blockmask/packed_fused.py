@@ -52,7 +52,7 @@ from flexfa.blockmask.fused_plan import How, KernelLineInput, PrefixInput, load_
 from flexfa.blockmask.grid import TileGrid
 from flexfa.blockmask.lines import Sig, _Line
 from flexfa.codegen.triton.emit import capture_values
-from flexfa.codegen.triton.launch import compiling_in_background, launch_default
+from flexfa.codegen.triton.launch import compiling_in_background, direct_default, launch_default
 from flexfa.frontend.trace import TracedMod
 
 if TYPE_CHECKING:
@@ -194,6 +194,19 @@ def specialization(args: tuple) -> tuple:
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _constexprs(bs: Any, chunk: int) -> dict[str, int]:
+    """The kernel's constexprs for tiles of `bs` (a BlockSize) and `chunk` tiles per step (kept:
+    the same dict object each time, read only)."""
+    return dict(
+        BLOCK_Q=bs.q,
+        BLOCK_KV=bs.kv,
+        BQ_P2=fused._pow2_at_least(bs.q, bs.q),
+        BKV_P2=fused._pow2_at_least(bs.kv, bs.kv),
+        CHUNK=chunk,
+    )
+
+
 def build(
     traced: TracedMod, inner: TracedMod | None, grid: TileGrid, pack: Packing, rel: TileGrid
 ) -> BlockMask | None:
@@ -218,26 +231,21 @@ def build(
         return None
     bs = grid.block_size
     cap = fused._KLINE_CHUNK_CAP if k.kernel_lines else fused._CHUNK_CAP
-    constexprs = dict(
-        BLOCK_Q=bs.q,
-        BLOCK_KV=bs.kv,
-        BQ_P2=fused._pow2_at_least(bs.q, bs.q),
-        BKV_P2=fused._pow2_at_least(bs.kv, bs.kv),
-        CHUNK=fused._pow2_at_least(max(nq, nkv), cap),
-    )
+    constexprs = _constexprs(bs, fused._pow2_at_least(max(nq, nkv), cap))
     out = torch.empty(sum(sizes), dtype=torch.int32, device=grid.device)
     args = (
         out, pack.seq_q, pack.seq_kv, pack.cu_q, pack.cu_kv, grid.q_len, grid.kv_len,
         rel.q_len, rel.kv_len, nq, nkv, H, *k.args,
     )  # fmt: skip
-    fast_key = (id(k.kernel), str(grid.device), *constexprs.values(), specialization(args))
-    label = f"packed block lists of {name}"
     kernel = k.kernel
-    warm = lambda: kernel.warmup(*args, grid=(nq + nkv, H), **constexprs)
-    if compiling_in_background(fast_key, label, kernel, warm):
-        log.debug("flexfa: packed block mask of %s takes the torch builder: compiling", name)
-        return None
-    launch_default(fast_key, label, kernel, (nq + nkv, H), args, constexprs)
+    if not direct_default(kernel, constexprs).try_call((nq + nkv, H), args):
+        fast_key = (id(kernel), str(grid.device), *constexprs.values(), specialization(args))
+        label = f"packed block lists of {name}"
+        warm = lambda: kernel.warmup(*args, grid=(nq + nkv, H), **constexprs)
+        if compiling_in_background(fast_key, label, kernel, warm):
+            log.debug("flexfa: packed block mask of %s takes the torch builder: compiling", name)
+            return None
+        launch_default(fast_key, label, kernel, (nq + nkv, H), args, constexprs)
     parts = out.split(sizes)
     return BlockMask(
         q_len=grid.q_len,

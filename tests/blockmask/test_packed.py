@@ -409,14 +409,14 @@ def test_a_new_batch_is_two_launches_and_no_other_operation(monkeypatch):
 
     launches = []
     for module in (packed_fused, positions):
-        run = module.run_logged
+        run = module.launch_default
 
-        def counted(fast_key, label, fn, run=run):
+        def counted(fast_key, label, *rest, run=run):
             launches.append(label)
             with _disable_current_modes():  # the interpreter's own copies are no launches
-                run(fast_key, label, fn)
+                run(fast_key, label, *rest)
 
-        monkeypatch.setattr(module, "run_logged", counted)
+        monkeypatch.setattr(module, "launch_default", counted)
     lens = [32, 512, 64, 187, 375, 43, 256, 162]
     cu = _offsets(lens)
     with flexfa.config.override(fused_block_mask="on"):
@@ -435,3 +435,32 @@ def test_a_new_batch_is_two_launches_and_no_other_operation(monkeypatch):
             assert set(seen.ops) <= {"empty", "empty_strided", "split_with_sizes", "split"}, (
                 seen.ops
             )
+
+
+@_interpreted
+def test_batches_of_new_lengths_share_the_analysis_and_the_kernel_plan(monkeypatch):
+    """Batches whose longest sequences differ (within a power of 2) reuse the mask's analysis and
+    the packed kernel's plan (Note [Relative grids of powers of 2]), and their lists are still
+    exact where the dense oracle says so."""
+    from flexfa.blockmask import packed_fused
+
+    made = []
+    make = packed_fused._make
+    monkeypatch.setattr(packed_fused, "_make", lambda *a: made.append(a[1]) or make(*a))
+    analyzed = []
+    analyzer = packed.Analyzer
+    monkeypatch.setattr(packed, "Analyzer", lambda *a: analyzed.append(a[1]) or analyzer(*a))
+    batches = ([32, 300, 64, 187], [290, 43, 256, 162], [5, 511, 77, 1])
+    with flexfa.config.override(fused_block_mask="on"):
+        for lens in batches:
+            cu = _offsets(lens)
+            pack = packing(cu, cu, sum(lens), sum(lens), _CPU)
+            _, mask = packed_mods(None, fm.sliding_window(100), pack, 2)
+            before = packed.built["kernel"]
+            bm = flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens), BLOCK_SIZE=16)
+            assert packed.built["kernel"] == before + 1
+            want = oracle.expected_states(mask, 1, 1, sum(lens), sum(lens), BlockSize.of(16))
+            got = oracle.states_of(bm, 1, 1)
+            assert torch.equal(got, want), f"{lens}\n{oracle.describe_mismatch(got, want)}"
+    assert len(made) <= 1 and len(analyzed) <= 1, (made, analyzed)
+    assert all(g.q_len == g.kv_len == 512 for g in made + analyzed), (made, analyzed)

@@ -355,17 +355,23 @@ def launch(kl: KernelLaunch) -> None:
     run_logged(key, kl.label, run)
 
 
+def direct_default(kernel: Any, constexprs: dict) -> DirectLaunch:
+    """The `DirectLaunch` of `kernel` with these constexprs and Triton's default options."""
+    key = (id(kernel), *constexprs.items())
+    direct = _direct.get(key)
+    if direct is None:
+        direct = _direct[key] = DirectLaunch(kernel, constexprs, None, None)
+    return direct
+
+
 def launch_default(
     fast_key: tuple, label: str, kernel: Any, grid: tuple[int, ...], args: tuple, constexprs: dict
 ) -> None:
     """`kernel[grid](*args, **constexprs)` with Triton's default options, through `run_logged`
-    the first time for `fast_key` and directly after that (Note [Direct launches])."""
+    the first time for `fast_key` and directly after that (Note [Direct launches]). Callers on a
+    hot path try `direct_default(kernel, constexprs).try_call(grid, args)` first."""
     if fast_key in _launched:
-        key = (id(kernel), *constexprs.items())
-        direct = _direct.get(key)
-        if direct is None:
-            direct = _direct[key] = DirectLaunch(kernel, constexprs, None, None)
-        direct(grid, args)
+        direct_default(kernel, constexprs)(grid, args)
         return
     run_logged(fast_key, label, lambda: kernel[grid](*args, **constexprs))
 
@@ -446,6 +452,21 @@ class DirectLaunch:
                 return
             self._remember(key, compiled)
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)  # it indexes 3 dims
+
+    def try_call(self, grid: tuple[int, ...], args: list | tuple) -> bool:
+        """Launch directly if this specialization was launched through this object before;
+        otherwise launch nothing and return False."""
+        if self._constexpr_values is None or config.triton_interpret:
+            return False
+        key = _fingerprint(args)
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            compiled = self._by_specialization.get(_specialization(args))
+            if compiled is None:
+                return False
+            self._remember(key, compiled)
+        compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)
+        return True
 
     def _remember(self, key: tuple, compiled: Any) -> None:
         if len(self._compiled) >= _FINGERPRINTS_KEPT:  # lengths that change every call

@@ -7,9 +7,10 @@ import torch
 import triton
 import triton.language as tl
 
-from flexfa.codegen.triton.launch import compiling_in_background, launch_default
+from flexfa.codegen.triton.launch import compiling_in_background, direct_default, launch_default
 
 _BLOCK = 1024
+_CONSTEXPRS = {"BLOCK": _BLOCK}
 
 
 # Lengths change from batch to batch: no specialization on them, so no batch compiles again.
@@ -42,6 +43,8 @@ def positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]
     pos = torch.empty(total, dtype=torch.int32, device=cu.device)
     grid = (triton.cdiv(total, _BLOCK),)
     args = (cu, seq, pos, total, num_seqs, top, steps)
+    if direct_default(flexfa_packed_positions, _CONSTEXPRS).try_call(grid, args):
+        return seq, pos
     from flexfa.blockmask.packed_fused import specialization
 
     fast_key = (id(flexfa_packed_positions), str(cu.device), specialization(args))
@@ -49,5 +52,5 @@ def positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]
     warm = lambda: flexfa_packed_positions.warmup(*args, grid=grid, BLOCK=_BLOCK)
     if compiling_in_background(fast_key, label, flexfa_packed_positions, warm):
         return None
-    launch_default(fast_key, label, flexfa_packed_positions, grid, args, {"BLOCK": _BLOCK})
+    launch_default(fast_key, label, flexfa_packed_positions, grid, args, _CONSTEXPRS)
     return seq, pos

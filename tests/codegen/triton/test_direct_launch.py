@@ -171,3 +171,18 @@ def test_launch_default_goes_direct_after_its_first_launch(compiled_mode):
     finally:
         launch_mod._launched.discard(fast)
         launch_mod._direct.pop((id(k), ("BLOCK", 64), ("EVEN", True)), None)
+
+
+def test_try_call_launches_only_a_known_specialization(compiled_mode):
+    """`try_call` (the packing kernels' hot path) launches nothing for a specialization it has not
+    launched, and launches directly one it has, whatever the lengths within its class."""
+    jit = FakeJit()
+    dl = DirectLaunch(jit, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    assert not dl.try_call((1,), [x, 32, 0.5]) and jit.log == []
+    dl((1,), [x, 32, 0.5])  # through the JIT function
+    assert dl.try_call((4,), [x, 4096, 0.5])
+    assert not dl.try_call((4,), [x, 33, 0.5])  # another class
+    assert [e[0] for e in jit.log] == ["jit", "direct"] and jit.log[1][3][1] == 4096
+    with config.override(triton_interpret=True):
+        assert not dl.try_call((4,), [x, 32, 0.5])
