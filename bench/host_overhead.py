@@ -7,7 +7,8 @@ bias (a captured tensor that requires grad), a closed-over float and the causal 
   - `attention (tiled, L=16)`: a whole eager call on tiny inputs, forward only;
   - `decode step ...`: a decode call's host work through the Triton backend (Lq=1, B=2, Hq=8, Hkv=2,
     Lkv=512, fp16, GQA; then ALiBi with a sliding-window BlockMask), everything but the kernel
-    launch (the decode kernel is replaced by a no-op after a first real call), under torch.no_grad,
+    launch (after a first real call, a launch computes the direct launch's argument fingerprint and
+    launches nothing), under torch.no_grad,
     with repeated calls reusing their spec ("memo", Note [Repeated inference calls]) and without.
 
     python bench/host_overhead.py --calls 2000 --repeat 5
@@ -92,7 +93,14 @@ def decode_steps():
     with torch.no_grad():
         for fn in calls.values():
             fn()  # compiles (interprets) once and prepares the plan
-    launch.DirectLaunch.__call__ = lambda self, grid, args: None  # the host work alone
+    # The host work alone: a direct launch computes its argument fingerprint and finds its
+    # kernel, a launch of a known kernel (Note [Decode launches by spec]) launches nothing.
+    torch.cuda.current_device = lambda: 0
+    launch.DirectLaunch.__call__ = lambda self, grid, args: self._compiled.get(
+        launch._fingerprint(args)
+    )
+    launch.DirectLaunch.compiled_for = lambda self, args: "compiled"
+    launch.DirectLaunch.call_compiled = lambda self, compiled, grid, args: None
     eligible = api._memo_eligible
 
     def step(fn, memo: bool):

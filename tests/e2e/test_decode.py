@@ -130,6 +130,46 @@ def test_a_repeated_decode_call_reuses_its_prepared_plan(monkeypatch, decode_cal
     torch.testing.assert_close(again, first, atol=0, rtol=0)
 
 
+def test_a_repeated_decode_call_launches_its_specs_kernels(decode_calls):
+    """Note [Decode launches by spec]: once a spec's kernels are known, a repeated call launches
+    them without the direct launch's fingerprint, and q at another address alignment (a new
+    specialization for Triton) goes through the direct launch again."""
+    torch.manual_seed(12)
+    buf = torch.randn(1 * 4 * 1 * 16 + 1)
+    k, v = torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    opts = dict(INTERPRETER_TILES, decode_splits=1)
+
+    def call(q):
+        with torch.no_grad():
+            flexfa.attention(q, k, v, enable_gqa=True, backend="triton", kernel_options=opts)
+
+    aligned, shifted = buf[:64].view(1, 4, 1, 16), buf[1:].view(1, 4, 1, 16)
+    call(aligned)
+    spec, prep = list(decode._by_spec.values())[-1]
+    specs = len(decode._by_spec)
+    log = []
+
+    class Fake:  # the direct launch, as the GPU would have it
+        def __call__(self, grid, args):
+            log.append(("direct", args[0].data_ptr() & 15))
+
+        def compiled_for(self, args):
+            return ("kernel", args[0].data_ptr() & 15)
+
+        def call_compiled(self, compiled, grid, args):
+            assert compiled == ("kernel", args[0].data_ptr() & 15)
+            log.append(("known", compiled[1]))
+
+    prep.direct, prep.by_spec, prep.last_spec = (Fake(), None), {}, None
+    call(aligned)
+    assert prep.by_spec == {}, "a spec seen once is not kept"
+    for q in (aligned, aligned, shifted, shifted, aligned):
+        call(q)
+    assert len(decode._by_spec) == specs, "every call passed the same spec"
+    assert log == [("direct", 0)] * 2 + [("known", 0), ("direct", 4), ("known", 4), ("known", 0)]
+    assert {key[0] for key in prep.by_spec[id(spec)].kernels} == {0, 4}
+
+
 def test_decode_option_turns_the_path_off(decode_calls):
     q, k, v = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
     flexfa.attention(q, k, v, backend="triton", kernel_options={"decode": False})

@@ -336,6 +336,9 @@ class _Prepared:
     label: str
     # After the first (logged) launch, the kernels are called directly (Note [Decode host time]).
     direct: tuple[DirectLaunch, DirectLaunch | None] | None = None
+    # The compiled kernels of a repeated call's spec (Note [Decode launches by spec]).
+    by_spec: dict[int, _SpecLaunches] = dataclasses.field(default_factory=dict)
+    last_spec: AttentionSpec | None = None
 
 
 # Note [Decode host time]
@@ -481,15 +484,31 @@ def prepared(
 
 _counters: dict[tuple, torch.Tensor] = {}
 
+# The current CUDA stream and whether it captures, from torch's C functions where it has them
+# (as Inductor reads them): `torch.cuda.current_stream` builds a Python Stream object, which cost
+# about 12 us of a decode step's host time on the H200's host (a cProfile of 500 4k steps).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (
+    torch.cuda.is_current_stream_capturing
+)
+_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _raw_stream(index: int | None) -> int:
+    if _raw is not None and index is not None:
+        return _raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
+
 
 def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
     """Zeroed int32 counters for the fused merge, one buffer per (device, stream), grown on demand
     (Note [Fused merge]); kernels leave them at 0. A call captured in a CUDA graph gets its own
     buffer from the graph's pool, zeroed by a captured memset at each replay: a capture stream
     lives only as long as the capture, and flexfa's cache builder may not synchronize during one."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return torch.zeros(size, dtype=torch.int32, device=device)
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    stream = None
+    if device.type == "cuda":
+        if _capturing():
+            return torch.zeros(size, dtype=torch.int32, device=device)
+        stream = _raw_stream(device.index)
     key = (device, stream)
     buf = _counters.get(key)
     if buf is None or buf.numel() < size:
@@ -627,10 +646,57 @@ def _run(
     args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
     grid = (prep.config.num_splits, spec.batch * spec.heads_kv, prep.tiles)
     split, merge = prep.direct
+    entry = prep.by_spec.get(id(spec))
+    if entry is not None and entry.spec is spec:  # Note [Decode launches by spec]
+        known = entry.kernels.get(tuple([args[i].data_ptr() & 15 for i in entry.positions]))
+        if known is not None:
+            split.call_compiled(known[0], grid, args)
+            if merge is not None:
+                merge.call_compiled(known[1], (grid[1], grid[2]), merge_args)
+            return out, lse
     split(grid, args)
     if merge is not None:
         merge((grid[1], grid[2]), merge_args)
+    if prep.last_spec is not spec:  # a spec seen once is not kept
+        prep.last_spec = spec
+        return out, lse
+    compiled = (split.compiled_for(args), merge.compiled_for(merge_args) if merge else None)
+    if compiled[0] is None or (merge is not None and compiled[1] is None):
+        return out, lse
+    if entry is None or entry.spec is not spec:
+        if len(prep.by_spec) >= _BY_SPEC_KEPT:
+            prep.by_spec.clear()
+        entry = prep.by_spec[id(spec)] = _SpecLaunches(spec, _caller_tensors(args))
+    entry.kernels[tuple([args[i].data_ptr() & 15 for i in entry.positions])] = compiled
     return out, lse
+
+
+# Note [Decode launches by spec]
+# A repeated inference call passes the same AttentionSpec object (Note [Repeated inference calls]
+# in flexfa/api.py), whose key holds q's, k's and v's shapes, strides and dtypes, and the traced
+# mods and the BlockMask by identity: every integer argument of its launches (strides, lengths,
+# list strides) and every tensor's dtype are the same from call to call. What can change is where
+# the tensors are: q, k and v are the caller's, and the page table, the captured tensors and the
+# lists are the spec's own objects, whose storage a caller may still swap. So from the second call
+# with a spec, `_Prepared.by_spec` keeps, per those tensors' address alignments (mod 16, what
+# Triton specializes on), the compiled kernels the direct launch found, and later calls launch
+# them without the argument fingerprint (Note [Direct launches]), which took 18 us of a 4k decode
+# step's host time on the H200's host. The tensors flexfa allocates for the call (out, LSE, the
+# partial outputs and the merge's counters) come from torch's caching allocator at offsets fixed
+# per `_Prepared`, so their alignment does not change.
+@dataclasses.dataclass(eq=False)
+class _SpecLaunches:
+    """The compiled kernels of one spec's calls, by the alignments of its caller's tensors."""
+
+    spec: AttentionSpec  # kept: its id stays its own
+    positions: tuple[int, ...]  # of the tensors flexfa did not allocate, in the split's arguments
+    kernels: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
+
+
+def _caller_tensors(args: list) -> tuple[int, ...]:
+    """The positions of q, k, v and of every tensor after the counters (page table, captured
+    tensors, lists) in the split kernel's arguments: args[3:8] are flexfa's own allocations."""
+    return (0, 1, 2, *[i for i in range(8, len(args)) if type(args[i]) is torch.Tensor])
 
 
 def clear_caches() -> None:

@@ -470,6 +470,18 @@ class DirectLaunch:
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)
         return True
 
+    def compiled_for(self, args: list | tuple) -> Any:
+        """The compiled kernel a direct call with `args` would launch, or None when there is none
+        yet (or under the interpreter)."""
+        if self._constexpr_values is None or config.triton_interpret:
+            return None
+        found = self._compiled.get(_fingerprint(args))
+        return found if found is not None else self._by_specialization.get(_specialization(args))
+
+    def call_compiled(self, compiled: Any, grid: tuple[int, ...], args: list | tuple) -> None:
+        """Launch `compiled` (from `compiled_for` with arguments of the same specialization)."""
+        compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)
+
     def _remember(self, key: tuple, compiled: Any) -> None:
         if len(self._compiled) >= _FINGERPRINTS_KEPT:  # lengths that change every call
             self._compiled.clear()
