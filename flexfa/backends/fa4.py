@@ -157,13 +157,18 @@ class Fa4Backend(Backend):
         """Whether fa4 runs `spec`, with notes on how; for a packed call, which of the two paths
         it takes (Note [Packed calls on FA4's varlen path])."""
         answer = self._supports(spec)
-        if not answer or spec.packed is None:
+        if not answer:
             return answer
         from flexfa.codegen.cute import backend
 
-        return Support.yes(
-            "; ".join(n for n in (backend.describe_packed(spec), answer.reason) if n)
-        )
+        if spec.packed is not None:
+            path = backend.describe_packed(spec)
+        else:  # Note [Document masks on FA4's varlen kernels] in flexfa/codegen/cute/plan.py
+            documents = backend.document_lowering(spec)
+            if documents is None:
+                return answer
+            path = documents[0].reason
+        return Support.yes("; ".join(n for n in (path, answer.reason) if n))
 
     def _supports(self, spec: AttentionSpec) -> Support:
         """`supports` without the packed call's path; a note here says the call runs less well

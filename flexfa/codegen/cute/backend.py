@@ -9,13 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import weakref
 
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.codegen.cute import jitcache, launch, module, sparse
 from flexfa.codegen.cute.launch import Hooks
-from flexfa.codegen.cute.plan import MaskLowering, lower_mask, lower_packed_mask
+from flexfa.codegen.cute.plan import (
+    DocumentMask,
+    MaskLowering,
+    document_mask,
+    lower_mask,
+    lower_packed_mask,
+)
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
 from flexfa.layout import empty_like_query
@@ -40,6 +48,9 @@ class Call:
     scalars: tuple[float, ...] = ()  # the score_mod's lifted scalars, FA4's aux_scalars
     #: Packed sequences on FA4's varlen kernels (Note [Packed calls on FA4's varlen path]).
     sequences: launch.Sequences | None = None
+    #: The documents of each batch row, one varlen call per row (Note [Document masks on FA4's
+    #: varlen kernels] in plan.py).
+    rows: tuple[launch.Sequences, ...] | None = None
 
 
 @functools.lru_cache(maxsize=256)
@@ -254,7 +265,7 @@ def describe_packed(spec: AttentionSpec) -> str:
 def plan_packed_call(
     score: TracedMod | None,
     lowering: MaskLowering,
-    sequences: launch.Sequences,
+    sequences: launch.Sequences | None,
     *,
     needs_grad: bool,
     scale: float,
@@ -276,6 +287,108 @@ def plan_packed_call(
         scalars=tuple(score.scalar_values) if score is not None else (),
         sequences=sequences,
     )
+
+
+# The most batch rows a document mask runs as one varlen call each.
+_MAX_DOCUMENT_ROWS = 16
+_documents: dict[tuple, tuple] = {}  # (ids id, version, rows, length, device) -> (ids, rows)
+_DOCUMENTS_KEPT = 16
+
+
+def document_lowering(
+    spec: AttentionSpec,
+) -> tuple[MaskLowering, tuple[launch.Sequences, ...] | None] | None:
+    """How a call with a document mask reaches FA4 (Note [Document masks on FA4's varlen kernels]
+    in plan.py): a native lowering and the documents of each batch row, or a mask_mod lowering
+    saying why not, with None; None for calls whose mask is not a document mask. Copies the ids
+    to the host once per ids tensor state."""
+    if spec.packed is not None or spec.mask.is_trivially_true:
+        return None
+    doc = document_mask(spec.mask)
+    if doc is None:
+        return None
+    not_varlen = "a document mask, not on FA4's varlen kernels: "
+    why = _why_not_documents(spec, doc)
+    if why is not None:
+        return MaskLowering("mask_mod", reason=not_varlen + why), None
+    ids = spec.mask.tensors[doc.ids_slot]
+    rows = _document_rows(ids, doc.by_batch, spec.len_q)
+    if isinstance(rows, str):
+        return MaskLowering("mask_mod", reason=not_varlen + rows), None
+    shapes = sorted({(n, n) for _, lens in rows for n in lens}, key=lambda p: -p[0])
+    lowering = lower_packed_mask(doc.inner, shapes)
+    if not lowering.native:
+        reason = f"{not_varlen}inside the documents, {lowering.reason}"
+        return MaskLowering("mask_mod", reason=reason), None
+    lowering = dataclasses.replace(
+        lowering, reason=f"a document mask on FA4's varlen kernels ({lowering.reason})"
+    )
+    if not doc.by_batch:
+        rows = rows * spec.batch
+    return lowering, tuple(seqs for seqs, _ in rows)
+
+
+def _why_not_documents(spec: AttentionSpec, doc: DocumentMask) -> str | None:
+    """Why a call with this document mask cannot run on FA4's varlen kernels, before its ids are
+    read; None when it may."""
+    if not config.fa4_varlen:
+        return "FLEXFA_FA4_VARLEN=0"
+    if "block_sparse" in spec.kernel_options:
+        return "kernel_options['block_sparse'] asks for the mask's block-sparse lists"
+    if spec.deterministic and spec.needs_grad:
+        return "deterministic=True: FA4's deterministic varlen backward is not verified"
+    if spec.device.type != "cuda":
+        return "not on a GPU"
+    if torch.cuda.get_device_capability(spec.device)[0] != 9:
+        return "FA4's varlen kernels are verified on sm90 only"
+    if torch.cuda.is_current_stream_capturing():
+        return "the ids are read on the host, which a CUDA graph capture does not allow"
+    if spec.len_q != spec.len_kv:
+        return f"{spec.len_q} queries and {spec.len_kv} keys (documents need the same positions)"
+    if spec.batch > _MAX_DOCUMENT_ROWS:
+        return (
+            f"a batch of {spec.batch} rows (one varlen call per row; at most {_MAX_DOCUMENT_ROWS})"
+        )
+    score = spec.score_mod
+    if score is not None and score.variables & {"b", "q_idx", "kv_idx"}:
+        return "the score_mod reads b, q_idx or kv_idx, which the varlen kernels give per document"
+    ids = spec.mask.tensors[doc.ids_slot]
+    if doc.by_batch and (ids.ndim != 2 or ids.shape[0] != spec.batch):
+        return (
+            f"ids of shape {tuple(ids.shape)} read as ids[b, position] in a batch of {spec.batch}"
+        )
+    if ids.shape[-1] < spec.len_q:
+        return f"ids of shape {tuple(ids.shape)} for {spec.len_q} positions"
+    return None
+
+
+def _document_rows(
+    ids: torch.Tensor, by_batch: bool, length: int
+) -> tuple[tuple[launch.Sequences, tuple[int, ...]], ...] | str:
+    """Per row of `ids` (one row if not `by_batch`), its documents as FA4's varlen offsets and
+    their lengths; or why the ids are not documents (an id that is not one run of positions).
+    One host copy per ids tensor state, kept."""
+    key = (id(ids), ids._version, by_batch, length, ids.device)
+    hit = _documents.get(key)
+    if hit is not None and hit[0]() is ids:
+        return hit[1]
+    rows = (ids if by_batch else ids.unsqueeze(0))[:, :length]
+    host = rows.detach().to("cpu", torch.int64)
+    if bool((host[:, 1:] < host[:, :-1]).any()):
+        found = "the ids decrease somewhere along a row (each document must be one run)"
+    else:
+        found = []
+        for row in host:
+            starts = torch.nonzero(row[1:] != row[:-1]).flatten() + 1
+            offsets = [0, *starts.tolist(), length]
+            lens = tuple(b - a for a, b in itertools.pairwise(offsets))
+            cu = torch.tensor(offsets, dtype=torch.int32).to(ids.device)
+            found.append((launch.Sequences(cu, cu, max(lens), max(lens)), lens))
+        found = tuple(found)
+    if len(_documents) >= _DOCUMENTS_KEPT:
+        _documents.clear()
+    _documents[key] = (weakref.ref(ids), found)
+    return found
 
 
 def score_mod_of(spec: AttentionSpec, call: Call) -> TracedMod | None:
@@ -326,6 +439,17 @@ def make_call(spec: AttentionSpec, *, varlen: bool = True) -> Call:
             scale=spec.scale,
             group_size=spec.group_size,
         )
+    elif (documents := document_lowering(spec)) is not None and documents[0].native:
+        lowering, rows = documents
+        call = plan_packed_call(
+            spec.score_mod,
+            lowering,
+            None,
+            needs_grad=spec.needs_grad,
+            scale=spec.scale,
+            group_size=spec.group_size,
+        )
+        call = dataclasses.replace(call, rows=rows)
     else:
         call = plan_call(
             spec.score_mod,
@@ -354,6 +478,16 @@ def forward(call: Call, q, k, v, score_tensors) -> tuple[torch.Tensor, torch.Ten
     tensors = [launch.captured_tensor(t) for t in (*score_tensors, *call.mask_tensors)]
     B, Hq, Lq, _ = q.shape
     out = empty_like_query(q, (B, Hq, Lq, v.shape[-1]))  # Note [Output layout]
+    if call.rows is not None:  # Note [Document masks on FA4's varlen kernels]
+        lses = [
+            launch.forward(
+                q[b : b + 1], k[b : b + 1], v[b : b + 1], out=out[b : b + 1], scale=call.scale,
+                lowering=call.lowering, hooks=call.hooks, tensors=tensors, scalars=call.scalars,
+                sequences=seqs,
+            )[1]
+            for b, seqs in enumerate(call.rows)
+        ]  # fmt: skip
+        return out, torch.cat(lses)
     return launch.forward(
         q,
         k,
@@ -388,23 +522,35 @@ def backward(
     group = call.bwd_kv_group
     if group > 1:  # Note [GQA in FA4's score_mod backward]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    dq, dk, dv = launch.backward(
-        q,
-        k,
-        v,
-        out,
-        dout,
-        lse,
-        dlse,
-        scale=call.scale,
-        lowering=call.bwd_lowering,
-        hooks=call.hooks,
-        tensors=tensors,
-        deterministic=call.deterministic,
-        block_sparse=call.bwd_sparse,
-        scalars=call.scalars,
-        sequences=call.sequences,
-    )
+    if call.rows is not None:  # Note [Document masks on FA4's varlen kernels]
+        rows = [
+            launch.backward(
+                q[b : b + 1], k[b : b + 1], v[b : b + 1], out[b : b + 1], dout[b : b + 1],
+                lse[b : b + 1], None if dlse is None else dlse[b : b + 1], scale=call.scale,
+                lowering=call.bwd_lowering, hooks=call.hooks, tensors=tensors,
+                deterministic=call.deterministic, scalars=call.scalars, sequences=seqs,
+            )
+            for b, seqs in enumerate(call.rows)
+        ]  # fmt: skip
+        dq, dk, dv = (torch.cat(g) for g in zip(*rows))
+    else:
+        dq, dk, dv = launch.backward(
+            q,
+            k,
+            v,
+            out,
+            dout,
+            lse,
+            dlse,
+            scale=call.scale,
+            lowering=call.bwd_lowering,
+            hooks=call.hooks,
+            tensors=tensors,
+            deterministic=call.deterministic,
+            block_sparse=call.bwd_sparse,
+            scalars=call.scalars,
+            sequences=call.sequences,
+        )
     if group > 1:
         dk, dv = (g.unflatten(1, (-1, group)).float().sum(2).to(g.dtype) for g in (dk, dv))
     if call.bwd_head_dim is not None:

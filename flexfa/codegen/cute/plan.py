@@ -35,6 +35,8 @@ from flexfa.blockmask.exact import evaluate_mask
 from flexfa.blockmask.grid import TileGrid
 from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
+from flexfa.ir import build
+from flexfa.ir.nodes import Node, Op, toposort
 
 LoweringKind = Literal["full", "causal", "window", "mask_mod"]
 
@@ -276,3 +278,91 @@ def _why_not_window(
                 "an allowed key, which FA4's varlen kernels are not verified with"
             )
     return None
+
+
+# Note [Document masks on FA4's varlen kernels]
+# The most common FlexAttention mask is a document mask: `ids[b, q_idx] == ids[b, kv_idx]` (or
+# `ids[q_idx] == ids[kv_idx]`), usually with causal or a window inside each document. Through
+# FA4's template it runs as a generated mask_mod over block-sparse lists, the kernel torch's FLASH
+# backend runs; FA4's varlen kernels do the same work without the mask: with `cu_seqlens` marking
+# where the documents of a batch row start, a tile never crosses a document, and the condition
+# inside each document is FA4's native causal mask or window (as for packed calls, Note [Packed
+# calls on FA4's varlen path] in backend.py). `document_mask` finds the documents in the IR: the
+# mask is a conjunction (`&` at the top) one of whose terms is `ids[..., q_idx] == ids[...,
+# kv_idx]`, the same captured integer tensor read at the same leading index (`b` or none) and at
+# q_idx and kv_idx as its last; the other terms (`inner`) must read q_idx and kv_idx only, and no
+# tensor. Then, within a document whose tokens are the positions start..end - 1, the mask is
+# inner(q_idx, kv_idx) on absolute positions, which the varlen kernels present as positions
+# relative to the document's start: the same where inner is a function of q_idx - kv_idx, which
+# the native lowering per document proves (`lower_packed_mask` on the documents' lengths). The
+# ids become documents only where each id is one run of positions: the backend checks that the
+# ids never decrease along a row (one host copy per ids tensor state) and declines otherwise.
+@dataclasses.dataclass(frozen=True, eq=False)
+class DocumentMask:
+    """A document mask found in a mask's IR (Note [Document masks on FA4's varlen kernels])."""
+
+    ids_slot: int  # the captured tensor of document ids
+    by_batch: bool  # read as ids[b, pos] (else ids[pos]: every batch row has the same documents)
+    inner: TracedMod | None  # the other terms, a mask of q_idx and kv_idx (None: no other term)
+
+
+def document_mask(mask: TracedMod | None) -> DocumentMask | None:
+    """The documents and the condition inside them of `mask`, or None when it is not of the form
+    of Note [Document masks on FA4's varlen kernels].
+
+    >>> import torch
+    >>> from flexfa.frontend.trace import trace_mask_mod
+    >>> ids = torch.tensor([[0, 0, 1, 1, 1, 2]])
+    >>> doc = document_mask(trace_mask_mod(lambda b, h, q, kv: (ids[b, q] == ids[b, kv]) & (q >= kv)))
+    >>> doc.by_batch, sorted(doc.inner.variables)
+    (True, ['kv_idx', 'q_idx'])
+    """
+    if mask is None:
+        return None
+    terms = _conjuncts(mask.output)
+    found = next((t for t in terms if _ids_slot(t) is not None), None)
+    if found is None:
+        return None
+    slot, by_batch = _ids_slot(found)
+    rest = [t for t in terms if t is not found]
+    inner = None
+    if rest:
+        node = functools.reduce(lambda a, b: build.binary(Op.AND, a, b), rest)
+        if any(n.op in (Op.LOAD, Op.CAPTURE) for n in toposort([node])):
+            return None
+        inner = TracedMod(
+            kind="mask_mod", name=f"{mask.name}_inner", output=node, captures=(), tensors=(),
+            fn=mask.fn,
+        )  # fmt: skip
+        if inner.variables - {"q_idx", "kv_idx"}:
+            return None
+    return DocumentMask(slot, by_batch, inner)
+
+
+def _conjuncts(node: Node) -> list[Node]:
+    if node.op is Op.AND and node.dtype.is_bool:
+        return [t for src in node.srcs for t in _conjuncts(src)]
+    return [node]
+
+
+def _ids_slot(node: Node) -> tuple[int, bool] | None:
+    """(capture slot, read with b) when `node` is ids[..., q_idx] == ids[..., kv_idx]."""
+    if node.op is not Op.EQ:
+        return None
+    a, b = node.srcs
+    if a.op is not Op.LOAD or b.op is not Op.LOAD or a.srcs[0] is not b.srcs[0]:
+        return None
+    if not a.dtype.is_int:
+        return None
+    ia, ib = a.srcs[1:], b.srcs[1:]
+    if len(ia) != len(ib) or len(ia) not in (1, 2) or ia[:-1] != ib[:-1]:
+        return None
+    if {_var(ia[-1]), _var(ib[-1])} != {"q_idx", "kv_idx"}:
+        return None
+    if len(ia) == 2 and _var(ia[0]) != "b":
+        return None
+    return a.srcs[0].arg.slot, len(ia) == 2
+
+
+def _var(node: Node) -> str | None:
+    return node.arg if node.op is Op.VAR else None

@@ -93,3 +93,57 @@ def test_band_masks_lower_to_an_equal_native_mask(lo, width, len_q, len_kv):
         return (q_idx - kv_idx >= lo) & (q_idx - kv_idx <= hi)
 
     check(band, len_q, len_kv)  # asserts equality whenever it goes native
+
+
+# -- document masks (Note [Document masks on FA4's varlen kernels]) ------------------------------
+
+_IDS = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3]])
+_IDS1 = _IDS[0]
+
+
+@pytest.mark.parametrize(
+    ("mask_mod", "by_batch", "inner"),
+    [
+        (lambda b, h, q, kv: (_IDS[b, q] == _IDS[b, kv]) & (q >= kv), True, "causal"),
+        (lambda b, h, q, kv: (q >= kv) & (_IDS1[kv] == _IDS1[q]) & (q - kv < 3), False, "window"),
+        (fm.document(_IDS1), False, None),
+        (fm.and_masks(fm.document(_IDS), fm.causal), True, "causal"),
+    ],
+    ids=["by-batch-causal", "reversed-window", "library-document", "library-and"],
+)
+def test_document_masks_are_found_with_their_inner_condition(mask_mod, by_batch, inner):
+    from flexfa.codegen.cute.plan import document_mask
+
+    traced = trace_mask_mod(mask_mod)
+    doc = document_mask(traced)
+    assert doc is not None and doc.by_batch == by_batch
+    assert traced.tensors[doc.ids_slot].shape[-1] == 8
+    if inner is None:
+        assert doc.inner is None
+        return
+    # The inner condition is the rest of the mask: equal to it wherever the documents agree.
+    q, kv = torch.arange(8)[:, None], torch.arange(8)[None]
+    env = {"b": torch.tensor(0), "h": torch.tensor(0), "q_idx": q, "kv_idx": kv}
+    ids = _IDS[0]
+    same = ids[:, None] == ids[None]
+    assert torch.equal(evaluate_mask(doc.inner, env) & same, evaluate_mask(traced, env))
+    assert lower_mask(doc.inner, 8, 8).kind == inner
+
+
+@pytest.mark.parametrize(
+    "mask_mod",
+    [
+        lambda b, h, q, kv: _IDS[b, q] == _IDS[0, kv],  # another row on one side
+        lambda b, h, q, kv: _IDS1[q] == _IDS[1, kv],  # two tensors
+        lambda b, h, q, kv: (_IDS1[q] == _IDS1[kv]) | (q >= kv),  # not a conjunction
+        lambda b, h, q, kv: (_IDS1[q] == _IDS1[kv]) & (_IDS1[q] > 0),  # a term reads the ids
+        lambda b, h, q, kv: (_IDS1[q] == _IDS1[kv]) & (h > 0),  # a term reads h
+        lambda b, h, q, kv: _IDS1[q] == _IDS1[q],  # not q against kv
+        lambda b, h, q, kv: _IDS[h, q] == _IDS[h, kv],  # per head
+        fm.causal,
+    ],
+)
+def test_other_masks_are_not_document_masks(mask_mod):
+    from flexfa.codegen.cute.plan import document_mask
+
+    assert document_mask(trace_mask_mod(mask_mod)) is None
