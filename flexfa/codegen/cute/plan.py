@@ -319,7 +319,18 @@ def document_mask(mask: TracedMod | None) -> DocumentMask | None:
     """
     if mask is None:
         return None
-    terms = _conjuncts(mask.output)
+    return _document_mask(mask.output, mask.name)
+
+
+def _inner_has_no_function(*args: object) -> None:
+    raise TypeError("the inner condition of a document mask exists only as IR")
+
+
+@functools.lru_cache(maxsize=128)
+def _document_mask(output: Node, name: str) -> DocumentMask | None:
+    """`document_mask` by the mask's IR (interned: equal IR is the same node) and name, so that a
+    repeated call finds the same inner TracedMod, and with it the cached lowerings."""
+    terms = _conjuncts(output)
     found = next((t for t in terms if _ids_slot(t) is not None), None)
     if found is None:
         return None
@@ -331,8 +342,8 @@ def document_mask(mask: TracedMod | None) -> DocumentMask | None:
         if any(n.op in (Op.LOAD, Op.CAPTURE) for n in toposort([node])):
             return None
         inner = TracedMod(
-            kind="mask_mod", name=f"{mask.name}_inner", output=node, captures=(), tensors=(),
-            fn=mask.fn,
+            kind="mask_mod", name=f"{name}_inner", output=node, captures=(), tensors=(),
+            fn=_inner_has_no_function,
         )  # fmt: skip
         if inner.variables - {"q_idx", "kv_idx"}:
             return None

@@ -105,14 +105,14 @@ def test_explain_says_which_path():
 def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
     """`backend.run` with a document mask: one varlen call per batch row on (L, H, D) views, the
     row's document offsets and FA4's causal mask; output, LSE, dq, dk, dv and the gradient of a
-    per-head bias (summed over the rows) equal flexfa's float64 reference of the mask itself."""
+    per-head temperature (summed over the rows) equal flexfa's float64 reference of the mask itself."""
     f64 = torch.float64
     B, (Hq, Hkv), L, D = 2, (4, 2), 24, 64
-    bias = torch.tensor([0.5, -0.25, 0.125, 1.0], dtype=f64, requires_grad=True)
+    temp = torch.tensor([0.5, -0.25, 0.125, 1.0], dtype=f64, requires_grad=True)
 
-    def make(bias):
+    def make(temp):
         def per_head(score, b, h, q_idx, kv_idx):
-            return score + bias[h]
+            return score * temp[h]
 
         return per_head
 
@@ -134,7 +134,7 @@ def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
         return torch.randn(*shape, generator=g, dtype=f64).requires_grad_()
 
     q, k, v = randn(B, Hq, L, D), randn(B, Hkv, L, D), randn(B, Hkv, L, D)
-    spec = _spec(q, k, v, make(bias), mask_mod)
+    spec = _spec(q, k, v, make(temp), mask_mod)
     from flexfa.codegen.cute import backend
 
     call = backend.make_call(spec)
@@ -144,10 +144,10 @@ def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
     assert calls == want_cu
     do = torch.randn(out.shape, generator=g, dtype=f64)
     dl = torch.randn(lse.shape, generator=g, dtype=f64)
-    got = torch.autograd.grad((out, lse), (q, k, v, bias), (do, dl.float()))
-    ref, ref_lse = reference_attention(q, k, v, make(bias), mask_mod, enable_gqa=True)
+    got = torch.autograd.grad((out, lse), (q, k, v, temp), (do, dl.float()))
+    ref, ref_lse = reference_attention(q, k, v, make(temp), mask_mod, enable_gqa=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # float32 LSE
-    want = torch.autograd.grad((ref, ref_lse), (q, k, v, bias), (do, dl.float().double()))
-    for name, a, b in zip(("dq", "dk", "dv", "dbias"), got, want):
+    want = torch.autograd.grad((ref, ref_lse), (q, k, v, temp), (do, dl.float().double()))
+    for name, a, b in zip(("dq", "dk", "dv", "dtemp"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")

@@ -1,6 +1,6 @@
 """Document masks on the "fa4" backend on a real GPU (Note [Document masks on FA4's varlen
 kernels] in flexfa/codegen/cute/plan.py): one FA4 varlen call per batch row, forward, LSE and
-every gradient (a captured per-head bias included) against flexfa's float64 reference of the mask
+every gradient (a learnable per-head temperature included) against flexfa's float64 reference of the mask
 itself, three-way rule (tests/tolerance.py); the path is checked first, from `explain_backend`.
 
 Skipped without CUDA (and without flash-attn-4). Run on an H200 with
@@ -50,10 +50,12 @@ def test_document_mask_fa4_matches_reference_on_gpu(heads, dtype, inner, fa4_mas
     torch.manual_seed(0)
     ids = _ids([[300, 1, 700, 23], [1024]], dev)
     L = ids.shape[1]
-    bias = torch.linspace(-0.5, 0.5, heads[0], device=dev).requires_grad_()
+    # A learnable temperature per head (a per-head constant bias would have a zero gradient:
+    # softmax's gradient sums to zero over each row).
+    temp = torch.linspace(0.5, 1.5, heads[0], device=dev).requires_grad_()
 
     def per_head(score, b, h, q_idx, kv_idx):
-        return score + bias[h]
+        return score * temp[h]
 
     def documents(b, h, q_idx, kv_idx):
         return ids[b, q_idx] == ids[b, kv_idx]
@@ -81,7 +83,7 @@ def test_document_mask_fa4_matches_reference_on_gpu(heads, dtype, inner, fa4_mas
         q, k, v, per_head, mask_mod, return_lse=True, backend="fa4", enable_gqa=gqa
     )
     do = torch.randn_like(out)
-    inputs = (q, k, v, bias)
+    inputs = (q, k, v, temp)
     grads = torch.autograd.grad(out, inputs, do)
     check = ThreeWay(dtype, context=f"{inner}-{heads}-{dtype}")
     expected = {}
@@ -91,6 +93,6 @@ def test_document_mask_fa4_matches_reference_on_gpu(heads, dtype, inner, fa4_mas
     (ref_o, ref_l, ref_g), (eager_o, eager_l, eager_g) = expected[torch.float64], expected[dtype]
     check("out", out, eager_o, ref_o)
     check("lse", lse, eager_l.float(), ref_l, atol=1e-3)
-    for name, a, e, r in zip(("dq", "dk", "dv", "dbias"), grads, eager_g, ref_g):
+    for name, a, e, r in zip(("dq", "dk", "dv", "dtemp"), grads, eager_g, ref_g):
         check(name, a, e, r)
     check.assert_ok()
