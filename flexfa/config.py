@@ -139,6 +139,12 @@ class Config:
         return self._get("fa4_varlen", lambda: _flag("FLEXFA_FA4_VARLEN", True))
 
     @property
+    def fa4_documents(self) -> bool:
+        """Document masks on FA4's varlen kernels (Note [Document masks on FA4's varlen kernels]
+        in flexfa/codegen/cute/plan.py); off by default: not measured faster (docs/cute.md)."""
+        return self._get("fa4_documents", lambda: _flag("FLEXFA_FA4_DOCUMENTS", False))
+
+    @property
     def triton_interpret(self) -> bool:
         return self._get("triton_interpret", lambda: _flag("TRITON_INTERPRET", False))
 

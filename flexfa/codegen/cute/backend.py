@@ -331,6 +331,8 @@ def document_lowering(
 def _why_not_documents(spec: AttentionSpec, doc: DocumentMask) -> str | None:
     """Why a call with this document mask cannot run on FA4's varlen kernels, before its ids are
     read; None when it may."""
+    if not config.fa4_documents:
+        return "FLEXFA_FA4_DOCUMENTS is not set (the path is opt-in: docs/cute.md)"
     if not config.fa4_varlen:
         return "FLEXFA_FA4_VARLEN=0"
     if "block_sparse" in spec.kernel_options:

@@ -25,7 +25,7 @@ def _gpu_like(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(fa4, "missing_package", lambda: None)
-    with flexfa.config.override(fa4_varlen=True):
+    with flexfa.config.override(fa4_varlen=True, fa4_documents=True):
         yield
 
 
@@ -91,6 +91,8 @@ def test_document_masks_stay_off_the_varlen_path_with_a_reason():
         assert reason in lowering.reason, (why, lowering.reason)
     with flexfa.config.override(fa4_varlen=False):
         assert "FLEXFA_FA4_VARLEN=0" in _lowering(causal_docs)[0].reason
+    with flexfa.config.override(fa4_documents=False):  # the default
+        assert "FLEXFA_FA4_DOCUMENTS" in _lowering(causal_docs)[0].reason
 
 
 def test_explain_says_which_path():
@@ -151,3 +153,12 @@ def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
     want = torch.autograd.grad((ref, ref_lse), (q, k, v, temp), (do, dl.float().double()))
     for name, a, b in zip(("dq", "dk", "dv", "dtemp"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_document_path_is_opt_in(monkeypatch):
+    """Off unless FLEXFA_FA4_DOCUMENTS is set: not measured faster than the mask_mod path
+    (docs/cute.md)."""
+    monkeypatch.delenv("FLEXFA_FA4_DOCUMENTS", raising=False)
+    assert not type(flexfa.config)().fa4_documents
+    monkeypatch.setenv("FLEXFA_FA4_DOCUMENTS", "1")
+    assert type(flexfa.config)().fa4_documents

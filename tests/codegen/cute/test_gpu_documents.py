@@ -26,7 +26,7 @@ pytestmark = [
 
 @pytest.fixture(autouse=True)
 def _fa4_varlen_on():
-    with flexfa.config.override(fa4_varlen=True):
+    with flexfa.config.override(fa4_varlen=True, fa4_documents=True):
         yield
 
 
