@@ -3,8 +3,10 @@
 At 4k keys a decode step is a few tens of microseconds of GPU work, so the host time of a call
 (argument checks, plan lookups, kernel launches) decides its speed. For Lq=1 (B=8, Hq=32, Hkv=8,
 D=128, bf16) this times, in one process, SDPA and flexfa with its kernels launched through Triton's
-`JITFunction.run` ("jit", as before Note [Direct launches]) or directly ("direct", the default), with
-the merge as its own kernel or fused into the split kernel (Note [Fused merge]):
+`JITFunction.run` ("jit", as before Note [Direct launches]), directly with the argument fingerprint
+of every call ("direct"), or from the second call of a spec by the kernels kept for it ("by spec",
+the default, Note [Decode launches by spec]), with the merge as its own kernel or fused into the
+split kernel (Note [Fused merge]):
   - us: `triton.testing.do_bench` median (as ../shared/bench/decode_peers.py times it);
   - host_us: time to enqueue 50 calls, per call;
   - graph_us: the same call captured in a CUDA graph and replayed (GPU time without the host);
@@ -36,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexfa
 from bench.decode import host_us
+from flexfa.codegen.triton import decode
 from flexfa.codegen.triton import launch as tlaunch
 
 B, HQ, HKV, D = 8, 32, 8, 128
@@ -52,9 +55,17 @@ def main() -> None:
     a = ap.parse_args()
     records = []
     direct_call = tlaunch.DirectLaunch.__call__
+    compiled_for = tlaunch.DirectLaunch.compiled_for
 
     def jit_call(self, grid, args):
         self._jit(grid, args)
+
+    def set_launch(launch: str) -> None:
+        tlaunch.DirectLaunch.__call__ = jit_call if launch == "jit" else direct_call
+        keep = launch == "by spec"
+        tlaunch.DirectLaunch.compiled_for = compiled_for if keep else (lambda self, args: None)
+        for _, prep in decode._by_spec.values():  # what "by spec" kept, for the others to miss
+            prep.by_spec.clear()
 
     for lkv in map(int, a.lkv.split(",")):
         torch.manual_seed(0)
@@ -70,11 +81,11 @@ def main() -> None:
         for opts in sweep if a.sweep else []:
             cases["flexfa " + json.dumps(opts)] = (
                 lambda opts=opts: flexfa.attention(q, k, v, enable_gqa=True, kernel_options=opts),
-                "direct",
+                "by spec",
             )
         for merge in ("separate", "fused"):
             opts = {"decode_merge": merge}
-            for launch in ("jit", "direct"):
+            for launch in ("jit", "direct", "by spec"):
                 cases[f"flexfa {launch} {merge}"] = (
                     lambda opts=opts: flexfa.attention(
                         q, k, v, enable_gqa=True, kernel_options=opts
@@ -84,7 +95,7 @@ def main() -> None:
         best: dict[str, dict] = {}
         for _ in range(a.rounds):
             for name, (fn, launch) in cases.items():
-                tlaunch.DirectLaunch.__call__ = jit_call if launch == "jit" else direct_call
+                set_launch(launch)
                 with torch.no_grad():
                     out = fn()
                     err = float((out.float() - ref).norm() / ref.norm())
@@ -104,7 +115,7 @@ def main() -> None:
         records += best.values()
         for rec in best.values():
             print("best", json.dumps(rec), flush=True)
-        tlaunch.DirectLaunch.__call__ = direct_call
+        set_launch("by spec")
         fn = lambda: flexfa.attention(q, k, v, enable_gqa=True)
         with torch.no_grad():
             fn()
