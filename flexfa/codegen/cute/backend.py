@@ -291,7 +291,7 @@ def plan_packed_call(
 
 # The most batch rows a document mask runs as one varlen call each.
 _MAX_DOCUMENT_ROWS = 16
-_documents: dict[tuple, tuple] = {}  # (ids id, version, rows, length, device) -> (ids, rows)
+_documents: dict[tuple, tuple] = {}  # (ids id, version, by_batch, length, device) -> (ref, rows)
 _DOCUMENTS_KEPT = 16
 
 
