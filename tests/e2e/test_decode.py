@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.codegen.triton import decode
+from flexfa.codegen.triton import decode, decode_configs
 from flexfa.reference import reference_attention
 from tests.e2e.harness import INTERPRETER_TILES, Problem, check_attention, maker
 from tests.mods import mask_mod, score_mod
@@ -434,7 +434,7 @@ def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, splits):
     programs per SM for row tiles under 64 rows, two (one wave) for tiles of 64 rows, as measured."""
     from flexfa.api import build_spec
 
-    monkeypatch.setattr(decode, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
     q = torch.empty(8, 32, len_q, 128, dtype=torch.bfloat16)
     k = v = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16)
     spec = build_spec(q, k, v, None, None, enable_gqa=True)

@@ -32,9 +32,15 @@ import torch
 from flexfa.blockmask.block_mask import BlockList, BlockMask, TileState
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton import emit
+from flexfa.codegen.triton.decode_configs import (
+    DecodeConfig,
+    _next_pow2,
+    _num_sms,
+    default_config,
+)
 from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, launch
 from flexfa.codegen.triton.module import load_module
-from flexfa.codegen.triton.params import KernelKey, ModuleKey, _check_positive, _check_pow2
+from flexfa.codegen.triton.params import KernelKey, ModuleKey
 from flexfa.codegen.triton.plan import plan_key
 from flexfa.layout import empty_like_query
 from flexfa.persist import persistent
@@ -42,27 +48,6 @@ from flexfa.spec import AttentionSpec
 
 #: The longest query the decode path takes by default (longer ones use the attention kernel).
 MAX_LEN_Q = 64
-# A split gets at least this many KV tiles (fewer would spend more time merging than reading).
-_MIN_TILES_PER_SPLIT = 4
-_MAX_SPLITS = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeConfig:
-    """Tile sizes and launch options of the decode kernels."""
-
-    block_m: int  # rows (query head, query) per program
-    block_n: int  # keys per step
-    num_splits: int  # programs per (b, KV head, row tile)
-    num_warps: int = 4
-    num_stages: int = 3
-    fused_merge: bool = False  # Note [Fused merge]
-
-    def __post_init__(self) -> None:
-        _check_pow2("block_m", self.block_m)
-        _check_pow2("block_n", self.block_n)
-        for name in ("num_splits", "num_warps", "num_stages"):
-            _check_positive(name, getattr(self, name))
 
 
 def applies(spec: AttentionSpec) -> bool:
@@ -160,88 +145,10 @@ _plans: dict[tuple, DecodePlan] = {}
 
 
 @functools.lru_cache(maxsize=8)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few splits, so that tests see the merge
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-@functools.lru_cache(maxsize=8)
 def _capability(device: torch.device) -> tuple[int, int] | None:
     return cfgs.device_capability(device)
 
 
-def _next_pow2(n: int, least: int = 16) -> int:
-    return max(least, 1 << (n - 1).bit_length())
-
-
-def default_config(
-    spec: AttentionSpec, capability: tuple[int, int] | None, max_blocks: int, tiles: int
-) -> DecodeConfig:
-    """Tile sizes and splits for a call (Note [Decode configs])."""
-    opts = spec.kernel_options
-    rows = spec.group_size * spec.len_q
-    block_m = min(_next_pow2(rows), 128 if capability is not None else 32)
-    sparse_kv = spec.block_mask.block_size.kv
-    if capability is None:
-        block_n, warps, stages = 16, 4, 1
-    else:
-        # Note [Decode configs]: fp8 K/V take tiles of twice the keys, the same bytes per tile.
-        one_byte = spec.k_dtype.itemsize == spec.v_dtype.itemsize == 1
-        page = spec.paged.page_size if spec.paged is not None else 128
-        block_n = 128 if one_byte and page % 128 == 0 else 64
-        warps = 4 if block_m <= 64 else 8
-        # fp8 tiles on Hopper: a deeper pipeline (5 stages; Note [Decode configs]).
-        stages = 5 if one_byte and capability[0] >= 9 else 3
-    block_n = cfgs._largest_pow2_divisor(sparse_kv, opts.get("decode_block_n", block_n))
-    tiles_per_block = sparse_kv // block_n
-    splits = opts.get("decode_splits")
-    if splits is None:
-        # Note [Decode configs]: a few programs per SM (two for tiles of 64 rows or more), but
-        # each split keeps a few KV tiles.
-        programs = spec.batch * spec.heads_kv * tiles
-        per_sm = 2 if block_m >= 64 else 4
-        want = max(1, round(per_sm * _num_sms(spec.device) / programs))
-        most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
-        splits = max(1, min(want, most, _MAX_SPLITS))
-    merge = opts.get("decode_merge", "fused")  # Note [Fused merge]
-    if merge not in ("fused", "separate"):
-        raise ValueError(
-            f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
-        )
-    return DecodeConfig(
-        block_m=block_m,
-        block_n=block_n,
-        num_splits=int(splits),
-        num_warps=int(opts.get("decode_num_warps", warps)),
-        num_stages=int(opts.get("decode_num_stages", stages)),
-        fused_merge=merge == "fused",
-    )
-
-
-# Note [Decode configs]
-# Decoding reads every K/V byte once and computes little, so what matters is enough loads in
-# flight: enough programs (about four per SM: splits = round(4 * SMs / (B * Hkv * row tiles))) and
-# a pipeline a few tiles deep in each. On an H200 (132 SMs) with B * Hkv = 64, 8 splits beat 5 by
-# 25% at Lq=16 and matched them at Lq=1 and 4; 2 splits lost 35-60% (docs/performance.md).
-# Row tiles of 64 rows or more (Lq=16 with a GQA group of 4) hold more registers, two programs per
-# SM, and there one wave of about two programs per SM was best: at Lq=16, 32k keys, 4 splits (256
-# programs on 132 SMs) took 269-274 us against 291-300 for 8 and 321-333 for 6 (bench/decode.py
-# --sweep, three H200 runs), so such tiles aim at two programs per SM rather than four. A split
-# shorter than a few KV tiles costs more in its partial output and the merge than it saves, hence
-# _MIN_TILES_PER_SPLIT.
-# An fp8 KV cache (Note [fp8 K/V] in flexfa/spec.py) holds half the bytes per key, so its tiles
-# have 128 keys rather than 64: the same bytes per load and in flight per pipeline stage as a 16-bit
-# cache, and half as many loop iterations. Its registers are those of a 16-bit cache with 128-key
-# tiles, which measured within 1-4% of 64-key tiles (docs/performance.md); the K/V tiles are
-# converted to q's dtype after they reach registers. Paged caches whose pages are not a multiple of
-# 128 keys keep 64-key tiles, which look up one page id per tile rather than one per key.
-# On the H200 fp8 tiles want a deeper pipeline than 16-bit ones: at Lq=1, B=8, Hkv=8, 128-key fp8
-# tiles took 595 us at 128k keys with 5 stages against 696 with 3, and 311 against 359 at 64k (7 and
-# 8 stages were no better than 5; 64-key fp8 tiles took 720 us at 128k with 5 stages against 974
-# with 3), while a bfloat16 cache lost 11% with 5 (1093 against 984 us). So sm90 and later run fp8
-# tiles with 5 stages (5 x 32 KB of K and V in flight fits Hopper's shared memory).
-#
 # Note [fp8 K/V in float16 dots]
 # On the H200 the fp8 decode took as long as the bfloat16 one (docs/performance.md), though it
 # reads half the bytes. Its PTX for sm_90 (Triton compiled without a GPU: bench/fp8_ptx.py) shows
