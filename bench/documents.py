@@ -23,28 +23,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import flexfa
+from bench.triton_vs_flex import doc_ids
 
 H, D = 16, 128
-
-
-def doc_ids(B: int, N: int, seed: int = 1) -> torch.Tensor:
-    """Document ids per batch row: documents of random lengths in [128, 2048)."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.zeros(B, N, dtype=torch.int32)
-    for b in range(B):
-        pos, d = 0, 0
-        while pos < N:
-            n = int(torch.randint(128, 2048, (1,), generator=g))
-            ids[b, pos : pos + n] = d
-            pos, d = pos + n, d + 1
-    return ids.cuda()
 
 
 def run(B: int, N: int) -> None:
     """Both paths for one batch size, one JSON line each."""
     from triton.testing import do_bench
 
-    ids = doc_ids(B, N)
+    ids = doc_ids(B, N, "cuda")  # the peers benchmark's documents
 
     def mask(b, h, q, kv):
         return (ids[b, q] == ids[b, kv]) & (q >= kv)

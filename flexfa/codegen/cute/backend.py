@@ -267,13 +267,17 @@ def plan_packed_call(
     lowering: MaskLowering,
     sequences: launch.Sequences | None,
     *,
+    rows: tuple[launch.Sequences, ...] | None = None,
     needs_grad: bool,
     scale: float,
     group_size: int = 1,
 ) -> Call:
     """The call of FA4's varlen kernels for a packed call whose mask `lowering` is native, with
-    the user's score_mod `score` (Note [Packed calls on FA4's varlen path])."""
+    the user's score_mod `score` (Note [Packed calls on FA4's varlen path]); with `rows` instead
+    of `sequences`, one varlen call per batch row (Note [Document masks on FA4's varlen kernels]
+    in plan.py)."""
     assert lowering.native, lowering
+    assert (sequences is None) != (rows is None), "sequences or rows"
     grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
     return Call(
         scale=scale,
@@ -286,6 +290,7 @@ def plan_packed_call(
         bwd_kv_group=group_size if needs_grad and score is not None else 1,
         scalars=tuple(score.scalar_values) if score is not None else (),
         sequences=sequences,
+        rows=rows,
     )
 
 
@@ -427,31 +432,27 @@ def make_call(spec: AttentionSpec, *, varlen: bool = True) -> Call:
     from flexfa.backends.fa4 import backward_head_dim
 
     lowering = packed_lowering(spec) if varlen else None
+    varlen_call = None  # (the user's score_mod, the native mask, sequences, rows)
     if lowering is not None and lowering.native:
         packed = spec.packed
         assert packed is not None
         sequences = launch.Sequences(
             packed.cu_seqlens_q, packed.cu_seqlens_kv, packed.max_len_q, packed.max_len_kv
         )
+        varlen_call = (packed.score_mod, lowering, sequences, None)
+    elif (documents := document_lowering(spec)) is not None and documents[0].native:
+        varlen_call = (spec.score_mod, documents[0], None, documents[1])
+    if varlen_call is not None:
+        score, lowering, sequences, rows = varlen_call
         call = plan_packed_call(
-            packed.score_mod,
+            score,
             lowering,
             sequences,
+            rows=rows,
             needs_grad=spec.needs_grad,
             scale=spec.scale,
             group_size=spec.group_size,
         )
-    elif (documents := document_lowering(spec)) is not None and documents[0].native:
-        lowering, rows = documents
-        call = plan_packed_call(
-            spec.score_mod,
-            lowering,
-            None,
-            needs_grad=spec.needs_grad,
-            scale=spec.scale,
-            group_size=spec.group_size,
-        )
-        call = dataclasses.replace(call, rows=rows)
     else:
         call = plan_call(
             spec.score_mod,
