@@ -103,11 +103,17 @@ def test_explain_says_which_path():
     assert answer.ok and "a document mask on FA4's varlen kernels" in answer.reason
 
 
-@pytest.mark.parametrize("by_batch", [True, False], ids=["ids-per-row", "ids-shared"])
-def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
+@pytest.mark.parametrize(
+    ("by_batch", "layout"),
+    [(True, "bhld"), (False, "bhld"), (True, "blhd")],
+    ids=["ids-per-row", "ids-shared", "ids-per-row-permuted-expanded-dlse"],
+)
+def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch, layout):
     """`backend.run` with a document mask: one varlen call per batch row on (L, H, D) views, the
     row's document offsets and FA4's causal mask; output, LSE, dq, dk, dv and the gradient of a
-    per-head temperature (summed over the rows) equal flexfa's float64 reference of the mask itself."""
+    per-head temperature (summed over the rows) equal flexfa's float64 reference of the mask
+    itself. "blhd": q, k, v are (B, L, H, D) tensors seen permuted, and the LSE's upstream
+    gradient is the stride-0 one of `lse.sum()`."""
     f64 = torch.float64
     B, (Hq, Hkv), L, D = 2, (4, 2), 24, 64
     temp = torch.tensor([0.5, -0.25, 0.125, 1.0], dtype=f64, requires_grad=True)
@@ -132,8 +138,10 @@ def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
         mask_mod = lambda b, h, q, kv: (ids[q] == ids[kv]) & (q >= kv)
     g = torch.Generator().manual_seed(0)
 
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=f64).requires_grad_()
+    def randn(b, h, n, d):
+        if layout == "blhd":
+            return torch.randn(b, n, h, d, generator=g, dtype=f64).requires_grad_().transpose(1, 2)
+        return torch.randn(b, h, n, d, generator=g, dtype=f64).requires_grad_()
 
     q, k, v = randn(B, Hq, L, D), randn(B, Hkv, L, D), randn(B, Hkv, L, D)
     spec = _spec(q, k, v, make(temp), mask_mod)
@@ -145,12 +153,15 @@ def test_document_path_end_to_end_with_a_stand_in(monkeypatch, by_batch):
     want_cu = [[0, 5, 16, 24], [0, 1, 21, 24]] if by_batch else [[0, 5, 16, 24]] * 2
     assert calls == want_cu
     do = torch.randn(out.shape, generator=g, dtype=f64)
-    dl = torch.randn(lse.shape, generator=g, dtype=f64)
-    got = torch.autograd.grad((out, lse), (q, k, v, temp), (do, dl.float()))
+    dl = torch.randn(lse.shape, generator=g).float()
+    if layout == "blhd":  # what autograd hands the backward for lse.sum()
+        dl = torch.ones(()).expand(lse.shape)
+        assert dl.stride() == (0, 0, 0)
+    got = torch.autograd.grad((out, lse), (q, k, v, temp), (do, dl))
     ref, ref_lse = reference_attention(q, k, v, make(temp), mask_mod, enable_gqa=True)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # float32 LSE
-    want = torch.autograd.grad((ref, ref_lse), (q, k, v, temp), (do, dl.float().double()))
+    want = torch.autograd.grad((ref, ref_lse), (q, k, v, temp), (do, dl.double()))
     for name, a, b in zip(("dq", "dk", "dv", "dtemp"), got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
 
