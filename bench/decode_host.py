@@ -15,7 +15,12 @@ cProfile of 500 default flexfa calls. `--sweep` also times, by GPU time alone (C
 defaults against other splits, tile sizes and stage counts (kernel_options; the direct launch and
 fused merge of the defaults), since at 4k keys do_bench would time the host.
 
-    python bench/decode_host.py [--lkv 4096,32768] [--rep 300] [--rounds 3] [--sweep]
+    python bench/decode_host.py [--lkv 4096,32768] [--lq 1] [--rep 300] [--rounds 3] [--sweep]
+        [--variants JSON]
+
+`--variants '[{"decode_dense": false}, {}]'` times, instead of the launch and merge matrix, SDPA
+and flexfa (launched by spec) with each of these kernel_options, interleaved round by round: an
+A/B of a kernel change in one process. `--lq` sets the queries per step (SDPA as well).
 """
 
 # ruff: noqa: B023
@@ -52,7 +57,10 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--sweep", action="store_true", help="GPU time of other launch configs")
+    ap.add_argument("--lq", default="1")
+    ap.add_argument("--variants", default="", help="JSON list of kernel_options to compare")
     a = ap.parse_args()
+    variants = json.loads(a.variants) if a.variants else None
     records = []
     direct_call = tlaunch.DirectLaunch.__call__
     compiled_for = tlaunch.DirectLaunch.compiled_for
@@ -67,9 +75,10 @@ def main() -> None:
         for _, prep in decode._by_spec.values():  # what "by spec" kept, for the others to miss
             prep.by_spec.clear()
 
-    for lkv in map(int, a.lkv.split(",")):
+    shapes = [(lq, lkv) for lq in map(int, a.lq.split(",")) for lkv in map(int, a.lkv.split(","))]
+    for lq, lkv in shapes:
         torch.manual_seed(0)
-        q = torch.randn(B, HQ, 1, D, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(B, HQ, lq, D, device="cuda", dtype=torch.bfloat16)
         k = torch.randn(B, HKV, lkv, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)
         ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).float()
@@ -83,7 +92,12 @@ def main() -> None:
                 lambda opts=opts: flexfa.attention(q, k, v, enable_gqa=True, kernel_options=opts),
                 "by spec",
             )
-        for merge in ("separate", "fused"):
+        for opts in variants or []:
+            cases["flexfa " + json.dumps(opts)] = (
+                lambda opts=opts: flexfa.attention(q, k, v, enable_gqa=True, kernel_options=opts),
+                "by spec",
+            )
+        for merge in ("separate", "fused") if variants is None else ():
             opts = {"decode_merge": merge}
             for launch in ("jit", "direct", "by spec"):
                 cases[f"flexfa {launch} {merge}"] = (
@@ -106,7 +120,7 @@ def main() -> None:
                         fn()
                     graph_us = do_bench(graph.replay, warmup=50, rep=a.rep, return_mode="median")
                     del graph
-                rec = dict(Lkv=lkv, system=name, us=us, host_us=host, graph_us=graph_us * 1e3,
+                rec = dict(Lq=lq, Lkv=lkv, system=name, us=us, host_us=host, graph_us=graph_us * 1e3,
                            rel_err_vs_sdpa=err)  # fmt: skip
                 print(json.dumps(rec), flush=True)
                 old = best.setdefault(name, rec)

@@ -13,7 +13,8 @@ contiguous (no byte-wise shared-memory reads of V in its PTX, `bench/fp8_ptx.py 
         [--paged [--page 128]]
 
 `--paged` adds the same caches as page pools (pages of --page keys in random order), bf16 and fp8.
-`--sweep` also times the fp8 cache under other warps, pipeline stages and splits (JSON lines only).
+`--sweep` also times the fp8 cache under other warps, pipeline stages and splits (JSON lines only);
+`--configs JSON` gives that sweep's kernel_options as a JSON list instead.
 
 One JSON line per measurement, a table at the end; $OUT/fp8_decode.json when OUT is set.
 """
@@ -67,6 +68,7 @@ def main() -> None:
     ap.add_argument("--paged", action="store_true", help="also bf16 and fp8 paged caches")
     ap.add_argument("--page", type=int, default=128, help="page size of --paged")
     ap.add_argument("--sweep", action="store_true", help="also fp8 under other launch configs")
+    ap.add_argument("--configs", default="", help="JSON list of kernel_options for --sweep")
     a = ap.parse_args()
     start = time.perf_counter()
     records: list[dict] = []
@@ -130,7 +132,7 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 if a.sweep:
                     k8, v8 = (k16 / 8).to(torch.float8_e4m3fn), v16.to(torch.float8_e4m3fn)
-                    for opts in SWEEP:
+                    for opts in json.loads(a.configs) if a.configs else SWEEP:
                         fn = lambda: flexfa.attention(
                             q, k8, v8, dequant, enable_gqa=True, kernel_options=opts
                         )

@@ -170,6 +170,74 @@ def test_a_repeated_decode_call_launches_its_specs_kernels(decode_calls):
     assert {key[0] for key in prep.by_spec[id(spec)].kernels} == {0, 4}
 
 
+@pytest.mark.parametrize(
+    "mask_name, len_kv, paged, dense",
+    [
+        (None, 75, False, True),  # a last tile past Lkv
+        (None, 64, False, True),
+        ("wide_window", 75, False, True),  # a mask that keeps every tile
+        ("causal", 75, False, False),
+        (None, 0, True, True),  # pages, per-sequence lengths
+    ],
+)
+def test_dense_decode_walks_every_block_without_lists(mask_name, len_kv, paged, dense):
+    """Note [Dense decode]: with every tile full the kernel walks the blocks below kv_len without
+    reading its lists, and gives the listed walk's output and LSE bit for bit (same tiles, same
+    order); other masks keep the listed walk."""
+    from flexfa.api import build_spec
+
+    torch.manual_seed(5)
+    G, Hkv, Lq, E = 4, 2, 3, 16
+    q = torch.randn(2, G * Hkv, Lq, E)
+    mask = {
+        None: None,
+        "wide_window": flexfa.masks.sliding_window(1000, causal=False),
+        "causal": flexfa.masks.causal,
+    }[mask_name]
+    extra = {}
+    if paged:
+        q, kp, vp, table, kv_lens, pages = _paged_problem([37, 50], 16, len_q=Lq)
+        q, k, v = q.float(), kp.float(), vp.float()
+        extra = dict(page_table=table, kv_lens=kv_lens)
+    else:
+        k, v = torch.randn(2, Hkv, len_kv, E), torch.randn(2, Hkv, len_kv, E)
+    outs = []
+    for walk in (True, False):
+        opts = dict(INTERPRETER_TILES, decode_splits=2, decode_dense=walk)
+        if not paged:
+            spec = build_spec(
+                q, k, v, flexfa.mods.alibi, mask, enable_gqa=True, kernel_options=opts
+            )
+            assert decode.prepared(spec).constexprs["DENSE"] is (dense and walk)
+        with torch.no_grad():
+            outs.append(
+                flexfa.attention(
+                    q, k, v, flexfa.mods.alibi, mask, enable_gqa=True, return_lse=True,
+                    backend="triton", kernel_options=opts, **extra,
+                )
+            )  # fmt: skip
+    (out, lse), (listed, listed_lse) = outs
+    assert torch.equal(out, listed) and torch.equal(lse, listed_lse)
+    if paged:
+        ref, _ = _paged_reference(q.double(), pages, flexfa.mods.alibi, None)
+    else:
+        ref, _ = reference_attention(
+            q, k, v, flexfa.mods.alibi, mask, enable_gqa=True, dtype=torch.float64
+        )
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_dense_option_is_checked():
+    from flexfa.api import build_spec
+
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 40, 16)
+    spec = build_spec(q, k, k, None, None, kernel_options={"decode_dense": "yes"})
+    with pytest.raises(
+        ValueError, match=r"kernel_options\['decode_dense'\] must be True, False or 'auto'"
+    ):
+        decode.prepared(spec)
+
+
 def test_decode_option_turns_the_path_off(decode_calls):
     q, k, v = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
     flexfa.attention(q, k, v, backend="triton", kernel_options={"decode": False})

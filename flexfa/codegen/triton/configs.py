@@ -45,6 +45,7 @@ DECODE_OPTIONS = frozenset(
         "decode_num_warps",
         "decode_num_stages",
         "decode_merge",
+        "decode_dense",
     }
 )
 KNOWN_OPTIONS = frozenset(FWD_OPTIONS) | frozenset(BWD_OPTIONS) | OTHER_OPTIONS | DECODE_OPTIONS

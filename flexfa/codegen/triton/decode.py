@@ -75,6 +75,7 @@ class UnionLists:
     has_partial: bool
     has_full: bool
     max_blocks: int  # most blocks (partial + full) any row tile walks
+    dense: bool  # every row tile lists every KV block as full (Note [Dense decode])
 
 
 _union_cache: weakref.WeakKeyDictionary[BlockMask, dict[tuple, UnionLists]] = (
@@ -112,6 +113,7 @@ def union_lists(bm: BlockMask, heads_kv: int, group: int, len_q: int, block_m: i
             partial_list.count.amax(),
             full_list.count.amax(),
             (partial_list.count + full_list.count).amax(),
+            full_list.count.amin(),
         ]
     ).tolist()
     found = UnionLists(
@@ -121,6 +123,7 @@ def union_lists(bm: BlockMask, heads_kv: int, group: int, len_q: int, block_m: i
         has_partial=counts[0] > 0,
         has_full=counts[1] > 0,
         max_blocks=int(counts[2]),
+        dense=counts[0] == 0 and counts[3] == nkv,
     )
     per_mask[key] = found
     return found
@@ -314,6 +317,7 @@ def _prepare(
         FUSED_MERGE=cfg.fused_merge and splits > 1,
         INPUT_PRECISION=plan.precision,
         F16_DOT=spec.kv_fp8 and spec.dtype == torch.bfloat16,  # Note [fp8 K/V in float16 dots]
+        DENSE=lists.dense and cfg.dense,
     )
     merge_constexprs = dict(
         HEAD_DIM_V=spec.head_dim_v,
@@ -336,6 +340,23 @@ def _prepare(
     )
 
 
+# Note [Dense decode]
+# A decode step with no mask, or with a mask that keeps every tile of the call (full union lists
+# from block 0 on, nothing partial), can walk the KV blocks below kv_len without reading its lists
+# (`DENSE`): the lists are full and ascending, so it visits the same tiles in the same order and
+# gives the same bits. What that changes is Triton's software pipeline. In the listed walk each
+# tile's address depends on a block id loaded in the loop, and the pipeliner keeps one K/V tile in
+# flight ahead of the one in use whatever `num_stages` says: compiled for sm_90 (B=8, Hq=32, Hkv=8,
+# D=128, bf16), the kernel holds 38.9 KB of shared memory at 2, 3 and 4 stages for Lq=1 and
+# 81.9 KB for Lq=16. The dense walk honours the stages: 38.9 / 71.7 / 104.4 KB and 81.9 / 114.7 /
+# 147.5 KB. On the H200 (`python bench/decode_host.py --lq 1,4,16 --lkv 4096,32768,131072
+# --variants '[{"decode_dense": false}, {}]'`, docs/performance.md) that made the 64-row tiles of
+# Lq=16 faster (32k keys: 284 -> 267 us, 128k: 1076 -> 994), where two programs of 114.7 KB still
+# share an SM, but the 16-row tiles of Lq=1 and 4 slower (32k: 259 -> 301 us, 128k: 966 -> 1146):
+# their 8 splits are sized for four programs per SM, and at 71.7 KB only three fit, so a second
+# wave runs. So "auto" (the default of kernel_options["decode_dense"]) takes the dense walk for
+# row tiles of 64 rows or more, and for the smaller ones keeps the listed walk until their stages
+# and splits are measured together.
 def prepared(
     spec: AttentionSpec,
     config_override: DecodeConfig | None = None,

@@ -27,6 +27,9 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_merge: bool = False  # Note [Fused merge]
+    dense: bool = (
+        False  # walk every block without the lists where all are full (Note [Dense decode])
+    )
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m)
@@ -80,6 +83,14 @@ def default_config(
         raise ValueError(
             f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
         )
+    dense = opts.get("decode_dense", "auto")
+    if dense not in (True, False, "auto"):
+        raise ValueError(
+            f"kernel_options['decode_dense'] must be True, False or 'auto', got {dense!r}"
+        )
+    if dense == "auto":
+        # Note [Dense decode]: measured faster for row tiles of 64 rows; not (yet) for smaller.
+        dense = capability is None or block_m >= 64
     return DecodeConfig(
         block_m=block_m,
         block_n=block_n,
@@ -87,6 +98,7 @@ def default_config(
         num_warps=int(opts.get("decode_num_warps", warps)),
         num_stages=int(opts.get("decode_num_stages", stages)),
         fused_merge=merge == "fused",
+        dense=dense,
     )
 
 
