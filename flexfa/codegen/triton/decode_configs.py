@@ -27,9 +27,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_merge: bool = False  # Note [Fused merge]
-    dense: bool = (
-        False  # walk every block without the lists where all are full (Note [Dense decode])
-    )
+    # Walk every block without the lists where all are full (Note [Dense decode]).
+    dense: bool = False
 
     def __post_init__(self) -> None:
         _check_pow2("block_m", self.block_m)
