@@ -48,7 +48,7 @@ import types
 import torch
 
 from flexfa import diskcache
-from flexfa.blockmask.block_mask import BlockList, BlockMask
+from flexfa.blockmask.block_mask import BlockMask
 from flexfa.blockmask.fused_emit import render
 from flexfa.blockmask.fused_plan import (
     How,
@@ -181,8 +181,8 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
         return None
     P = grid.batch * grid.heads
     nq, nkv = grid.num_q_blocks, grid.num_kv_blocks
-    # counts: kv partial, kv full, q partial, q full; then the indices in the same order.
-    sizes = (P * nq, P * nq, P * nkv, P * nkv) + (P * nq * nkv,) * 4
+    # Note [Block lists in one buffer] in block_mask.py, and a flag of undecided tiles after them.
+    sizes = BlockMask.buffer_sizes(grid.batch, grid.heads, nq, nkv)
     if sum(sizes) + 1 > _MAX_ELEMENTS:
         log.debug("flexfa: block mask of %s takes the general path: too many tiles", mask.name)
         return None
@@ -266,15 +266,12 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
     if int(out[total].item()) != 0:
         log.debug("flexfa: block mask of %s takes the general path: undecided tiles", mask.name)
         return None
-    B, H = grid.batch, grid.heads
-    parts = out[:total].split(sizes)
-    return BlockMask(
+    return BlockMask.from_buffer(
+        out,
+        batch=grid.batch,
+        heads=grid.heads,
         q_len=grid.q_len,
         kv_len=grid.kv_len,
         block_size=bs,
-        kv_partial=BlockList(parts[0].view(B, H, nq), parts[4].view(B, H, nq, nkv)),
-        kv_full=BlockList(parts[1].view(B, H, nq), parts[5].view(B, H, nq, nkv)),
-        q_partial=BlockList(parts[2].view(B, H, nkv), parts[6].view(B, H, nkv, nq)),
-        q_full=BlockList(parts[3].view(B, H, nkv), parts[7].view(B, H, nkv, nq)),
         mask=mask,
     )

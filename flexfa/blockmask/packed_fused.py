@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from flexfa.blockmask import fused
-from flexfa.blockmask.block_mask import BlockList, BlockMask
+from flexfa.blockmask.block_mask import BlockMask
 from flexfa.blockmask.fused_emit import emit_body, render_module
 from flexfa.blockmask.fused_plan import How, KernelLineInput, PrefixInput, load_in_bounds, plan_for
 from flexfa.blockmask.grid import TileGrid
@@ -225,7 +225,7 @@ def build(
         log.debug("flexfa: packed block mask of %s takes the torch builder: %s", name, k.reason)
         return None
     H, nq, nkv = grid.heads, grid.num_q_blocks, grid.num_kv_blocks
-    sizes = (H * nq, H * nq, H * nkv, H * nkv) + (H * nq * nkv,) * 4
+    sizes = BlockMask.buffer_sizes(1, H, nq, nkv)
     if sum(sizes) > fused._MAX_ELEMENTS:
         log.debug("flexfa: packed block mask of %s takes the torch builder: too many tiles", name)
         return None
@@ -246,14 +246,12 @@ def build(
             log.debug("flexfa: packed block mask of %s takes the torch builder: compiling", name)
             return None
         launch_default(fast_key, label, kernel, (nq + nkv, H), args, constexprs)
-    parts = out.split(sizes)
-    return BlockMask(
+    return BlockMask.from_buffer(
+        out,
+        batch=1,
+        heads=H,
         q_len=grid.q_len,
         kv_len=grid.kv_len,
         block_size=bs,
-        kv_partial=BlockList(parts[0].view(1, H, nq), parts[4].view(1, H, nq, nkv)),
-        kv_full=BlockList(parts[1].view(1, H, nq), parts[5].view(1, H, nq, nkv)),
-        q_partial=BlockList(parts[2].view(1, H, nkv), parts[6].view(1, H, nkv, nq)),
-        q_full=BlockList(parts[3].view(1, H, nkv), parts[7].view(1, H, nkv, nq)),
         mask=traced,
     )

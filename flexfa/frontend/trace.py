@@ -137,12 +137,18 @@ class TracedMod:
         more than the rest of the rebinding."""
         if not set(changes) <= {"tensors", "scalar_values", "fn"}:
             raise TypeError(f"rebound changes only tensors, scalar_values and fn, not {changes}")
-        new = dataclasses.replace(self, **changes)
-        # The functools.cached_property values, computed once on `self` (the trace caches keep it
-        # and rebind it at every call) and carried to every rebinding.
-        for name in ("key", "variables"):
-            new.__dict__[name] = getattr(self, name)
+        # The fields (TracedMod has no __post_init__ to run, and dataclasses.replace costs more
+        # than the rest of a packed batch's rebinding), then the functools.cached_property values
+        # computed once on `self` (the trace caches keep it and rebind it at every call).
+        state = {name: self.__dict__[name] for name in _TRACED_FIELDS}
+        state.update(changes)
+        state["key"], state["variables"] = self.key, self.variables
+        new = object.__new__(TracedMod)
+        new.__dict__.update(state)
         return new
+
+
+_TRACED_FIELDS = tuple(f.name for f in dataclasses.fields(TracedMod))
 
 
 @functools.lru_cache(maxsize=512)

@@ -357,3 +357,40 @@ def test_block_lists_are_authoritative_in_attention() -> None:
     # The same with the mask applied everywhere differs: the tiles changed which pairs attend.
     masked, _ = reference_attention(q, k, v, mask_mod=fm.causal)
     assert not torch.allclose(out, masked)
+
+
+def test_from_buffer_makes_what_the_checked_constructors_make() -> None:
+    """`BlockMask.from_buffer` (Note [Block lists in one buffer]) skips the dataclasses' checks:
+    its result must hold every field, and the same lists as the checked constructors give."""
+    import dataclasses
+
+    def per_plane(b, h, q_idx, kv_idx):
+        return (q_idx - kv_idx < 50 + 20 * h) & (kv_idx <= q_idx + 40 * b)
+
+    bm = flexfa.create_block_mask(per_plane, 2, 3, 300, 200, BLOCK_SIZE=(64, 32))
+    assert (bm.batch, bm.heads) == (2, 3)
+    B, H, nq, nkv = bm.batch, bm.heads, bm.num_q_blocks, bm.num_kv_blocks
+    lists = (bm.kv_partial, bm.kv_full, bm.q_partial, bm.q_full)
+    sizes = BlockMask.buffer_sizes(B, H, nq, nkv)
+    assert sizes == tuple(bl.count.numel() for bl in lists) + tuple(
+        bl.index.numel() for bl in lists
+    )
+    # An offset buffer, as fused.py's (a flag follows the lists) or a slice of a larger one.
+    flat = [bl.count.flatten() for bl in lists] + [bl.index.flatten() for bl in lists]
+    buffer = torch.cat(
+        [torch.full((5,), -7, dtype=torch.int32), *flat, torch.ones(1, dtype=torch.int32)]
+    )
+    got = BlockMask.from_buffer(
+        buffer[5:], batch=B, heads=H, q_len=300, kv_len=200, block_size=bm.block_size, mask=bm.mask
+    )
+    for f in dataclasses.fields(BlockMask):
+        assert f.name in got.__dict__, f.name
+    checked = BlockMask(
+        **{f.name: getattr(got, f.name) for f in dataclasses.fields(BlockMask)}
+    )  # the checks pass on what it made
+    for name in ("kv_partial", "kv_full", "q_partial", "q_full"):
+        want, have = getattr(bm, name), getattr(checked, name)
+        assert torch.equal(want.count, have.count), name
+        assert torch.equal(want.index, have.index), name
+        assert have.index.is_contiguous() and have.count.dtype == torch.int32
+    assert torch.equal(got.tile_states(), bm.tile_states())
