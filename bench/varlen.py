@@ -24,6 +24,7 @@ batches come), which is what a packed batch costs in use.
                            [--rep 100]
     python bench/varlen.py --systems none            # the block-mask timings alone
     python bench/varlen.py --device cpu              # flexfa's block-mask timing on the CPU
+    python bench/varlen.py --device cpu --stub-launches  # the GPU path's host work, on the CPU
 """
 
 # ruff: noqa: B023
@@ -53,6 +54,16 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+def stub_launches() -> None:
+    """Send packed batches down the path a GPU takes (the packing and block-list kernels) with
+    every launch left out: the host work of that path, timed on a machine without a GPU."""
+    import flexfa.blockmask.build as build
+    import flexfa.codegen.triton.launch as launch
+
+    build._use_fused = lambda device: True
+    launch.DirectLaunch.try_call = lambda self, grid, args: True
+
+
 def main() -> None:
     from triton.testing import do_bench
 
@@ -61,7 +72,19 @@ def main() -> None:
     ap.add_argument("--flexfa-backend", default="auto")
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--device", default="cuda", help="cpu: flexfa's block-mask timing only")
+    ap.add_argument("--builds", type=int, default=40, help="block masks timed per row")
+    ap.add_argument(
+        "--stub-launches",
+        action="store_true",
+        help="with --device cpu: the GPU's path (the packing and block-list kernels), launches left out",
+    )
     a = ap.parse_args()
+    if a.stub_launches:
+        if a.device != "cpu":
+            raise SystemExit(
+                "--stub-launches times the GPU path's host work on the CPU: --device cpu"
+            )
+        stub_launches()
     dev = torch.device(a.device)
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -81,11 +104,11 @@ def main() -> None:
         print(json.dumps(rec), flush=True)
 
     # What a new batch of offsets costs before the kernels: packing + the packed causal BlockMask.
-    # 40 batches warm the caches (the kernels' specializations: Note [Concurrent compiles]), 40
-    # others are timed, each once.
+    # 40 batches warm the caches (the kernels' specializations: Note [Concurrent compiles]),
+    # --builds others are timed, each once.
     gen = torch.Generator().manual_seed(1)
     batches = []
-    for _ in range(80):
+    for _ in range(40 + a.builds):
         lens = torch.randint(512, 8193, (len(LENGTHS),), generator=gen)
         offsets = [0, *lens.cumsum(0).tolist()]
         batches.append((torch.tensor(offsets, dtype=torch.int32, device=dev), offsets[-1]))
@@ -129,7 +152,7 @@ def main() -> None:
                 build()
             wait_for_background()
         times = []
-        for _ in range(40 if batches_of == "new lengths" else 20):
+        for _ in range(a.builds if batches_of == "new lengths" else a.builds // 2):
             sync()
             t0 = time.perf_counter()
             build()
