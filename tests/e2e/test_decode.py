@@ -496,19 +496,51 @@ def test_decode_replays_in_a_cuda_graph(options):
             torch.testing.assert_close(out, step(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("len_q, splits", [(1, 8), (4, 8), (16, 4)])
-def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, splits):
+@pytest.mark.parametrize(
+    "len_q, dense, splits, stages",
+    [
+        (1, False, 8, 3),
+        (4, False, 8, 3),
+        (16, False, 4, 3),
+        (1, True, 4, 4),
+        (4, True, 4, 4),
+        (16, True, 4, 3),
+    ],
+)
+def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, splits, stages):
     """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): four
-    programs per SM for row tiles under 64 rows, two (one wave) for tiles of 64 rows, as measured."""
+    programs per SM for row tiles under 64 rows on the listed walk, two (one wave) for tiles of
+    64 rows and for smaller tiles on the dense walk (4 stages deep), as measured."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
     q = torch.empty(8, 32, len_q, 128, dtype=torch.bfloat16)
     k = v = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16)
     spec = build_spec(q, k, v, None, None, enable_gqa=True)
-    cfg = decode.default_config(spec, (9, 0), max_blocks=32768 // 128, tiles=1)
-    assert cfg.num_splits == splits, cfg
+    cfg = decode.default_config(spec, (9, 0), 32768 // 128, 1, dense_lists=dense)
+    assert (cfg.num_splits, cfg.num_stages) == (splits, stages), cfg
     assert cfg.block_m == max(16, 4 * len_q)
+    assert cfg.dense
+
+
+def test_small_paged_decode_tiles_keep_the_listed_walk(monkeypatch):
+    """Note [Dense decode]: row tiles under 64 rows of a paged cache keep the listed walk and its
+    launch shape (8 splits, 3 stages) by default; given decode_dense=True they walk dense with
+    that launch shape."""
+    from flexfa.api import build_spec
+
+    monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
+    q = torch.empty(8, 32, 1, 128, dtype=torch.bfloat16)
+    pages = torch.empty(8 * 512, 8, 64, 128, dtype=torch.bfloat16)
+    table = torch.arange(8 * 512, dtype=torch.int32).view(8, 512)
+    lens = torch.full((8,), 32768, dtype=torch.int32)
+    for opts, dense in (({}, False), ({"decode_dense": True}, True)):
+        spec = build_spec(
+            q, pages, pages, None, None, enable_gqa=True, page_table=table, kv_lens=lens,
+            kernel_options=opts,
+        )  # fmt: skip
+        cfg = decode.default_config(spec, (9, 0), 32768 // 128, 1, dense_lists=True)
+        assert (cfg.dense, cfg.num_splits, cfg.num_stages) == (dense, 8, 3), cfg
 
 
 @pytest.mark.gpu

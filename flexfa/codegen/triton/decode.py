@@ -210,7 +210,7 @@ def _plan(
     found = DecodePlan(
         key=module_key,
         module=module,
-        config=default_config(spec, capability, lists.max_blocks, tiles),
+        config=default_config(spec, capability, lists.max_blocks, tiles, dense_lists=lists.dense),
         precision=precision,
         head_dim_pad=_next_pow2(spec.head_dim),
         head_dim_v_pad=_next_pow2(spec.head_dim_v),
@@ -354,9 +354,14 @@ def _prepare(
 # Lq=16 faster (32k keys: 284 -> 267 us, 128k: 1076 -> 994), where two programs of 114.7 KB still
 # share an SM, but the 16-row tiles of Lq=1 and 4 slower (32k: 259 -> 301 us, 128k: 966 -> 1146):
 # their 8 splits are sized for four programs per SM, and at 71.7 KB only three fit, so a second
-# wave runs. So "auto" (the default of kernel_options["decode_dense"]) takes the dense walk for
-# row tiles of 64 rows or more, and for the smaller ones keeps the listed walk until their stages
-# and splits are measured together.
+# wave runs. Measured with stages and splits matched (the eighth decode run in
+# docs/performance.md), the dense walk of 16-row tiles with 4 stages (104.4 KB) and 4 splits (two
+# programs per SM) took 48.5 us at 4k keys in two runs against 50.1-50.6 listed (SDPA 49.5), and
+# tied it at 32k and 128k (256.2 / 257.8 and 967.1 / 966.4 us); fp8 tiles the same way took 302 us
+# at 64k keys against 309-312, and tied at 128k. So "auto" (the default of
+# kernel_options["decode_dense"]) takes the dense walk everywhere but for row tiles under 64 rows
+# of a paged cache (their dense walk still loads a page id per tile, and was not measured), and
+# tiles under 64 rows whose walk is dense take that launch shape (Note [Decode configs]).
 def prepared(
     spec: AttentionSpec,
     config_override: DecodeConfig | None = None,

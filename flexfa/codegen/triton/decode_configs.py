@@ -49,9 +49,15 @@ def _next_pow2(n: int, least: int = 16) -> int:
 
 
 def default_config(
-    spec: AttentionSpec, capability: tuple[int, int] | None, max_blocks: int, tiles: int
+    spec: AttentionSpec,
+    capability: tuple[int, int] | None,
+    max_blocks: int,
+    tiles: int,
+    *,
+    dense_lists: bool = False,
 ) -> DecodeConfig:
-    """Tile sizes and splits for a call (Note [Decode configs])."""
+    """Tile sizes and splits for a call (Note [Decode configs]); `dense_lists`: every tile of the
+    call is full (Note [Dense decode])."""
     opts = spec.kernel_options
     rows = spec.group_size * spec.len_q
     block_m = min(_next_pow2(rows), 128 if capability is not None else 32)
@@ -68,12 +74,27 @@ def default_config(
         stages = 5 if one_byte and capability[0] >= 9 else 3
     block_n = cfgs._largest_pow2_divisor(sparse_kv, opts.get("decode_block_n", block_n))
     tiles_per_block = sparse_kv // block_n
+    dense = opts.get("decode_dense", "auto")
+    if dense not in (True, False, "auto"):
+        raise ValueError(
+            f"kernel_options['decode_dense'] must be True, False or 'auto', got {dense!r}"
+        )
+    if dense == "auto":
+        # Note [Dense decode]: row tiles under 64 rows of a paged cache keep the listed walk.
+        dense = capability is None or block_m >= 64 or spec.paged is None
+    # Note [Decode configs]: row tiles under 64 rows that walk dense (no page table) run 4 stages
+    # deep, two programs per SM, as the larger tiles do.
+    small_dense = (
+        capability is not None and block_m < 64 and dense and dense_lists and spec.paged is None
+    )
+    if small_dense:
+        stages = 4
     splits = opts.get("decode_splits")
     if splits is None:
-        # Note [Decode configs]: a few programs per SM (two for tiles of 64 rows or more), but
-        # each split keeps a few KV tiles.
+        # Note [Decode configs]: a few programs per SM (two for tiles of 64 rows or more, and on
+        # the dense walk), but each split keeps a few KV tiles.
         programs = spec.batch * spec.heads_kv * tiles
-        per_sm = 2 if block_m >= 64 else 4
+        per_sm = 2 if block_m >= 64 or small_dense else 4
         want = max(1, round(per_sm * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
@@ -82,14 +103,6 @@ def default_config(
         raise ValueError(
             f"kernel_options['decode_merge'] must be 'fused' or 'separate', got {merge!r}"
         )
-    dense = opts.get("decode_dense", "auto")
-    if dense not in (True, False, "auto"):
-        raise ValueError(
-            f"kernel_options['decode_dense'] must be True, False or 'auto', got {dense!r}"
-        )
-    if dense == "auto":
-        # Note [Dense decode]: measured faster for row tiles of 64 rows; not (yet) for smaller.
-        dense = capability is None or block_m >= 64
     return DecodeConfig(
         block_m=block_m,
         block_n=block_n,
@@ -123,3 +136,10 @@ def default_config(
 # 8 stages were no better than 5; 64-key fp8 tiles took 720 us at 128k with 5 stages against 974
 # with 3), while a bfloat16 cache lost 11% with 5 (1093 against 984 us). So sm90 and later run fp8
 # tiles with 5 stages (5 x 32 KB of K and V in flight fits Hopper's shared memory).
+# All of the above was measured on the listed walk, whose pipeline keeps one tile in flight
+# whatever the stages (Note [Dense decode] in decode.py). Row tiles under 64 rows that walk dense
+# (every tile full, no page table) run 4 stages deep, 104.4 KB for a 16-bit cache and 106.5 KB for
+# fp8 on sm_90, so two programs share an SM, and their splits aim at two programs per SM like the
+# 64-row tiles: 4 splits at B * Hkv = 64 on an H200, which measured 0-4% faster than the listed
+# walk's 8 (16-bit, 4k-128k keys) and 3% faster for fp8 at 64k keys, a tie at 128k; 8 splits with
+# 3 stages made a second wave (16-26% slower), as did fp8's 5 stages with any split count.
