@@ -523,6 +523,20 @@ def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, split
     assert cfg.dense
 
 
+@pytest.mark.parametrize("len_q", [1, 16])
+def test_decode_before_sm90_keeps_the_listed_walk(monkeypatch, len_q):
+    """Note [Dense decode]: GPUs before sm_90 keep the listed walk and its launch shape by default
+    (the dense walk's deeper pipeline would not fit the shared memory of sm_86 and sm_89)."""
+    from flexfa.api import build_spec
+
+    monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 84)
+    q = torch.empty(8, 32, len_q, 128, dtype=torch.bfloat16)
+    k = v = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16)
+    spec = build_spec(q, k, v, None, None, enable_gqa=True)
+    cfg = decode.default_config(spec, (8, 6), 32768 // 128, 1, dense_lists=True)
+    assert not cfg.dense and cfg.num_stages == 3, cfg
+
+
 def test_small_paged_decode_tiles_keep_the_listed_walk(monkeypatch):
     """Note [Dense decode]: row tiles under 64 rows of a paged cache keep the listed walk and its
     launch shape (8 splits, 3 stages) by default; given decode_dense=True they walk dense with

@@ -359,9 +359,12 @@ def _prepare(
 # programs per SM) took 48.5 us at 4k keys in two runs against 50.1-50.6 listed (SDPA 49.5), and
 # tied it at 32k and 128k (256.2 / 257.8 and 967.1 / 966.4 us); fp8 tiles the same way took 302 us
 # at 64k keys against 309-312, and tied at 128k. So "auto" (the default of
-# kernel_options["decode_dense"]) takes the dense walk everywhere but for row tiles under 64 rows
-# of a paged cache (their dense walk still loads a page id per tile, and was not measured), and
-# tiles under 64 rows whose walk is dense take that launch shape (Note [Decode configs]).
+# kernel_options["decode_dense"]) takes the dense walk on sm_90 and later everywhere but for row
+# tiles under 64 rows of a paged cache (their dense walk still loads a page id per tile, and was
+# not measured), and tiles under 64 rows whose walk is dense take that launch shape (Note [Decode
+# configs]). Older GPUs keep the listed walk: its pipeline holds 38.9 KB (Lq=1) and 81.9 KB
+# (Lq=16) whatever the stages, while the dense walk's 3 stages of 64-row tiles (114.7 KB) exceed
+# the ~100 KB of shared memory of sm_86 and sm_89.
 def prepared(
     spec: AttentionSpec,
     config_override: DecodeConfig | None = None,

@@ -79,14 +79,14 @@ def default_config(
         raise ValueError(
             f"kernel_options['decode_dense'] must be True, False or 'auto', got {dense!r}"
         )
+    hopper = capability is not None and capability[0] >= 9
     if dense == "auto":
-        # Note [Dense decode]: row tiles under 64 rows of a paged cache keep the listed walk.
-        dense = capability is None or block_m >= 64 or spec.paged is None
-    # Note [Decode configs]: row tiles under 64 rows that walk dense (no page table) run 4 stages
-    # deep, two programs per SM, as the larger tiles do.
-    small_dense = (
-        capability is not None and block_m < 64 and dense and dense_lists and spec.paged is None
-    )
+        # Note [Dense decode]: measured on sm_90, whose shared memory holds its deeper pipeline;
+        # row tiles under 64 rows of a paged cache keep the listed walk.
+        dense = capability is None or (hopper and (block_m >= 64 or spec.paged is None))
+    # Note [Decode configs]: on sm_90 and later, row tiles under 64 rows that walk dense (no page
+    # table) run 4 stages deep, two programs per SM, as the larger tiles do.
+    small_dense = hopper and block_m < 64 and dense and dense_lists and spec.paged is None
     if small_dense:
         stages = 4
     splits = opts.get("decode_splits")
