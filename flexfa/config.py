@@ -134,6 +134,12 @@ class Config:
         return self._get("fa4_disk_cache", lambda: _flag("FLEXFA_FA4_DISK_CACHE", True))
 
     @property
+    def fa4_direct(self) -> bool:
+        """Call FA4's compiled forward kernel directly once a call's arguments are known (Note
+        [Direct FA4 launches] in flexfa/codegen/cute/direct.py)."""
+        return self._get("fa4_direct", lambda: _flag("FLEXFA_FA4_DIRECT", True))
+
+    @property
     def fa4_varlen(self) -> bool:
         """Packed calls on FA4's varlen kernels (Note [Packed calls on FA4's varlen path])."""
         return self._get("fa4_varlen", lambda: _flag("FLEXFA_FA4_VARLEN", True))

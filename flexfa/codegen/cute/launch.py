@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from flexfa.codegen.cute import jitcache
+from flexfa.codegen.cute import direct, jitcache
 from flexfa.codegen.cute.emit import AuxLayout
 from flexfa.codegen.cute.plan import MaskLowering
 from flexfa.codegen.cute.sparse import SparseLists
@@ -116,11 +116,20 @@ class Sequences:
     max_seqlen_q: int
     max_seqlen_k: int
 
-    def fa4_kwargs(self) -> dict:
-        """Keyword arguments of FA4's `_flash_attn_fwd` / `_flash_attn_bwd` for these sequences."""
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The offsets as FA4 takes them, by name."""
         return {
             "cu_seqlens_q": self.cu_seqlens_q.contiguous(),
             "cu_seqlens_k": self.cu_seqlens_k.contiguous(),
+        }
+
+    def fa4_kwargs(self, tensors: dict[str, torch.Tensor] | None = None) -> dict:
+        """Keyword arguments of FA4's `_flash_attn_fwd` / `_flash_attn_bwd` for these sequences
+        (with the offsets of `tensors`, by name, where given)."""
+        offsets = self.tensors() if tensors is None else tensors
+        return {
+            "cu_seqlens_q": offsets["cu_seqlens_q"],
+            "cu_seqlens_k": offsets["cu_seqlens_k"],
             "max_seqlen_q": self.max_seqlen_q,
             "max_seqlen_k": self.max_seqlen_k,
         }
@@ -165,24 +174,58 @@ def forward(
     from flash_attn.cute.interface import _flash_attn_fwd
 
     jitcache.install()
-
-    _, lse, *_ = _flash_attn_fwd(
-        _fa4_layout(q, sequences),
-        _fa4_layout(k, sequences),
-        _fa4_layout(v, sequences),
-        **(sequences.fa4_kwargs() if sequences is not None else {}),
-        softmax_scale=scale,
-        score_mod=hooks.score_mod,
-        mask_mod=hooks.mask_mod if not lowering.native else None,
-        aux_tensors=None,  # Note [Captured tensors by address]
-        aux_scalars=aux_scalars(hooks.aux, scalars, tensors),
-        block_sparse_tensors=block_sparse.to_fa4() if block_sparse is not None else None,
-        return_lse=True,
-        out=_fa4_layout(out, sequences),
-        _arch=arch,
-        **lowering.fa4_kwargs(),
+    # The call's tensors as FA4 takes them, detached (FA4 hands its kernel detached tensors), and
+    # the LSE allocated here: the same tensors reach FA4's entry point or its compiled kernel
+    # (Note [Direct FA4 launches] in direct.py).
+    fa4_lse = torch.empty(
+        (q.shape[1], q.shape[2]) if sequences is not None else q.shape[:3],
+        dtype=torch.float32,
+        device=q.device,
     )
-    return out, (lse if sequences is None else lse.unsqueeze(0))
+    named = {
+        "q": _fa4_layout(q, sequences).detach(),
+        "k": _fa4_layout(k, sequences).detach(),
+        "v": _fa4_layout(v, sequences).detach(),
+        "out": _fa4_layout(out, sequences).detach(),
+        "lse": fa4_lse,
+    }
+    if sequences is not None:
+        named.update(sequences.tensors())
+    if block_sparse is not None:
+        named.update(block_sparse.tensors())
+    aux = aux_scalars(hooks.aux, scalars, tensors)
+    mask_mod = hooks.mask_mod if not lowering.native else None
+
+    def through_fa4() -> None:
+        _flash_attn_fwd(
+            named["q"],
+            named["k"],
+            named["v"],
+            **(sequences.fa4_kwargs(named) if sequences is not None else {}),
+            softmax_scale=scale,
+            score_mod=hooks.score_mod,
+            mask_mod=mask_mod,
+            aux_tensors=None,  # Note [Captured tensors by address]
+            aux_scalars=aux,
+            block_sparse_tensors=block_sparse.to_fa4(named) if block_sparse is not None else None,
+            return_lse=True,
+            out=named["out"],
+            lse=fa4_lse,
+            _arch=arch,
+            **lowering.fa4_kwargs(),
+        )
+
+    extra = (
+        scale,
+        lowering,
+        hooks.score_mod,
+        mask_mod,
+        arch,
+        None if sequences is None else (sequences.max_seqlen_q, sequences.max_seqlen_k),
+        None if block_sparse is None else block_sparse.block_size,
+    )
+    direct.launch(named, aux, through_fa4, extra)
+    return out, (fa4_lse if sequences is None else fa4_lse.unsqueeze(0))
 
 
 def backward(

@@ -65,15 +65,23 @@ class SparseLists:
     full_idx: torch.Tensor
     block_size: tuple[int, int]
 
-    def to_fa4(self):
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The lists by FA4's names."""
+        return {
+            "mask_block_cnt": self.mask_cnt,
+            "mask_block_idx": self.mask_idx,
+            "full_block_cnt": self.full_cnt,
+            "full_block_idx": self.full_idx,
+        }
+
+    def to_fa4(self, tensors: dict[str, torch.Tensor] | None = None):
+        """FA4's BlockSparseTensorsTorch of these lists (those of `tensors`, by FA4's names, where
+        given)."""
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
+        lists = self.tensors() if tensors is None else tensors
         return BlockSparseTensorsTorch(
-            mask_block_cnt=self.mask_cnt,
-            mask_block_idx=self.mask_idx,
-            full_block_cnt=self.full_cnt,
-            full_block_idx=self.full_idx,
-            block_size=self.block_size,
+            **{name: lists[name] for name in self.tensors()}, block_size=self.block_size
         )
 
 

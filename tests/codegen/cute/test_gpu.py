@@ -342,3 +342,49 @@ def test_a_later_process_loads_the_compiled_kernel(tmp_path):
     assert runs[0]["sum"] == runs[1]["sum"], runs
     assert len(list((tmp_path / "cache" / "fa4").rglob("*.o"))) == 1
     assert runs[1]["first_s"] < runs[0]["first_s"] / 2, runs
+
+
+@pytest.mark.parametrize("name", ["causal", "alibi", "document", "prefix_lm", "packed"])
+def test_direct_launches_match_fa4s_entry_point_on_gpu(name) -> None:
+    """Note [Direct FA4 launches]: from the third forward of a signature flexfa calls FA4's
+    compiled kernel itself; each call's output and LSE are bit for bit those of FA4's entry
+    point, with fresh inputs and captured tensors at new addresses every call."""
+    from flexfa.codegen.cute import direct
+
+    direct.reset()
+    dev = "cuda"
+    heads, length = 4, 700
+    lens = torch.tensor([300, 1, 399], dtype=torch.int32)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int32), lens.cumsum(0, dtype=torch.int32)]).to(dev)
+    for step in range(4):
+        torch.manual_seed(step)
+        q, k, v = (torch.randn(2, heads, length, 64, device=dev, dtype=bf16) for _ in range(3))
+        kw: dict = {}
+        if name == "causal":
+            score, mask = None, fm.causal
+        elif name == "alibi":
+            slopes = torch.rand(heads, device=dev)  # a new captured tensor every call
+
+            def score(s, b, h, q_idx, kv_idx, slopes=slopes):
+                return s + slopes[h] * (kv_idx - q_idx)
+
+            mask = fm.causal
+        elif name == "document":
+            ids = torch.randint(0, 5, (2, length), device=dev).sort(-1).values
+            score, mask = None, fm.and_masks(fm.causal, fm.document(ids))
+        elif name == "prefix_lm":
+            score, mask = fmods.softcap(10.0 + step), fm.prefix_lm(100)
+        else:
+            q, k, v = (t[:1] for t in (q, k, v))
+            score, mask = None, fm.causal
+            kw = {"cu_seqlens_q": cu, "cu_seqlens_kv": cu}
+        bm = flexfa.create_block_mask(mask, 2, None, length, length, device=dev) if not kw else mask
+        with torch.no_grad():
+            out, lse = flexfa.attention(q, k, v, score, bm, return_lse=True, backend="fa4", **kw)
+            with flexfa.config.override(fa4_direct=False):
+                out_fa4, lse_fa4 = flexfa.attention(
+                    q, k, v, score, bm, return_lse=True, backend="fa4", **kw
+                )
+        assert torch.equal(out, out_fa4), (name, step)
+        assert torch.equal(lse, lse_fa4), (name, step)
+    assert direct.counts["direct"] >= 2, (name, dict(direct.counts), direct._plans)

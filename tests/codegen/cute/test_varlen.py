@@ -322,14 +322,14 @@ class _StandIn:
 
     def forward(self, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                 softmax_scale, mask_mod, aux_tensors, aux_scalars, block_sparse_tensors, out,
-                **kw):  # fmt: skip
+                lse=None, **kw):  # fmt: skip
         assert q.ndim == k.ndim == v.ndim == 3 and mask_mod is None and block_sparse_tensors is None
         assert aux_tensors is None  # Note [Captured tensors by address]
         mask_kwargs = {n: kw.pop(n) for n in ("causal", "window_size_left", "window_size_right")
                        if n in kw}  # fmt: skip
         self.seen["fwd"] = (tuple(q.shape), tuple(k.shape), mask_kwargs)
         captures = _tensors_at(aux_scalars, self.aux)[: self.num_captures]
-        lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
+        given, lse = lse, torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=torch.float32)
         for s, q0, q1, k0, k1 in self._sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                  max_seqlen_k):  # fmt: skip
             if q1 == q0:
@@ -338,6 +338,9 @@ class _StandIn:
                                 mask_kwargs)  # fmt: skip
             out[q0:q1] = o[0].transpose(0, 1).to(out.dtype)
             lse[:, q0:q1] = l[0].float()
+        if given is not None:  # FA4 writes the LSE into a tensor it is given
+            given.copy_(lse)
+            lse = given
         return out, lse, None, None, None
 
     def backward(self, q, k, v, out, dout, lse, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
