@@ -230,7 +230,7 @@ def packed_lowering(spec: AttentionSpec) -> MaskLowering | None:
             "mask_mod",
             reason="deterministic=True: FA4's deterministic varlen backward is not verified",
         )
-    if spec.device.type == "cuda" and torch.cuda.get_device_capability(spec.device)[0] != 9:
+    if spec.device.type == "cuda" and _arch_major(spec.device) != 9:
         return MaskLowering("mask_mod", reason="FA4's varlen kernels are verified on sm90 only")
     if packed.one_sided:
         s = packed.one_sided[0]
@@ -346,7 +346,7 @@ def _why_not_documents(spec: AttentionSpec, doc: DocumentMask) -> str | None:
         return "deterministic=True: FA4's deterministic varlen backward is not verified"
     if spec.device.type != "cuda":
         return "not on a GPU"
-    if torch.cuda.get_device_capability(spec.device)[0] != 9:
+    if _arch_major(spec.device) != 9:
         return "FA4's varlen kernels are verified on sm90 only"
     if torch.cuda.is_current_stream_capturing():
         return "the ids are read on the host, which a CUDA graph capture does not allow"
@@ -416,13 +416,24 @@ def uses_block_sparse(spec: AttentionSpec) -> bool:
         return bool(option)
     if spec.device.type != "cuda":
         return False
-    major = torch.cuda.get_device_capability(spec.device)[0]
+    major = _arch_major(spec.device)
     why = sparse.why_not_sparse(spec.block_mask, spec.head_dim, spec.head_dim_v, major)
     return why is None
 
 
+_majors: dict[torch.device, tuple] = {}
+
+
 def _arch_major(device: torch.device) -> int | None:
-    return torch.cuda.get_device_capability(device)[0] if device.type == "cuda" else None
+    """The compute capability's major number of a CUDA device (None elsewhere), asked of torch
+    once per device (again if torch's function was replaced, as tests do)."""
+    ask = torch.cuda.get_device_capability
+    hit = _majors.get(device)
+    if hit is not None and hit[0] is ask:
+        return hit[1]
+    major = ask(device)[0] if device.type == "cuda" else None
+    _majors[device] = (ask, major)
+    return major
 
 
 def make_call(spec: AttentionSpec, *, varlen: bool = True) -> Call:
@@ -578,9 +589,25 @@ class _Fa4Function(torch.autograd.Function):
         return dq, dk, dv, None, *(captured.get(s) for s in range(len(score_tensors)))
 
 
+# Note [Planned calls kept with their spec]
+# A repeated inference call reuses its AttentionSpec (Note [Repeated inference calls] in
+# flexfa/api.py), and its planned FA4 call is kept with it: the mask lowering, the generated hooks,
+# the block lists and the arch depend on nothing the spec does not fix, except where a proof read
+# a captured tensor's values, which may change in place between calls: a native lowering of a
+# mask that reads tensors, and the documents of a document mask. Those calls are planned again
+# each time. Without gradients the autograd Function is skipped too.
+
+
 def run(spec: AttentionSpec, q, k, v) -> tuple[torch.Tensor, torch.Tensor]:
     """Output [B, H, Lq, Ev] and natural-log LSE [B, H, Lq], both differentiable."""
-    call = make_call(spec)
+    call = spec.__dict__.get("_fa4_call")
+    if call is None:
+        call = make_call(spec)
+        mask = spec.mask
+        if call.rows is None and not (call.lowering.native and mask.captures):
+            spec.__dict__["_fa4_call"] = call  # Note [Planned calls kept with their spec]
     score = score_mod_of(spec, call)
     score_tensors = score.tensors if score is not None else ()
+    if not spec.needs_grad:
+        return forward(call, q, k, v, score_tensors)
     return _Fa4Function.apply(q, k, v, call, *score_tensors)

@@ -82,11 +82,18 @@ class _Scalars:
 _SCALARS = _Scalars()
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
 class Replay:
-    """The compiled calls FA4 made for one launch signature, as templates."""
+    """The compiled calls FA4 made for one launch signature, as templates, and ready to be made
+    again with another call's tensors and scalars."""
 
-    calls: tuple[tuple[Callable, tuple, tuple], ...]  # (function, args, sorted kwargs)
+    def __init__(self, calls: tuple[tuple[Callable, tuple, tuple], ...]):
+        self.calls = calls  # (function, args, sorted kwargs), as templates
+        self._steps = []
+        for fn, args, kwargs in calls:
+            makers = [_maker(a) for a in args]
+            fixed = [a.value if m is None else None for a, m in zip(args, makers)]
+            places = [(i, m) for i, m in enumerate(makers) if m is not None]
+            self._steps.append((fn, fixed, places, {n: _maker(t) or t.value for n, t in kwargs}))
 
     def same_as(self, other: Replay) -> bool:
         return len(self.calls) == len(other.calls) and all(
@@ -94,11 +101,17 @@ class Replay:
         )
 
     def run(self, tensors: Mapping[str, torch.Tensor], scalars: tuple | None) -> None:
-        for fn, args, kwargs in self.calls:
-            fn(
-                *[_fill(a, tensors, scalars) for a in args],
-                **{name: _fill(t, tensors, scalars) for name, t in kwargs},
-            )
+        for fn, fixed, places, kwargs in self._steps:
+            args = fixed.copy()
+            for i, make in places:
+                args[i] = make(tensors, scalars)
+            if kwargs:
+                fn(
+                    *args,
+                    **{n: m(tensors, scalars) if callable(m) else m for n, m in kwargs.items()},
+                )
+            else:
+                fn(*args)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -115,10 +128,10 @@ def signature(tensors: Mapping[str, torch.Tensor], scalars: tuple | None, extra:
     layout, addresses = [], []
     for t in tensors.values():
         address = t.data_ptr()
-        layout.append((t.shape, t.stride(), t.dtype, t.device, address % 16))
+        layout.append((t.shape, t.stride(), t.dtype, t.device, address & 15))
         addresses.append(address)
     shared = tuple(addresses.index(a) for a in addresses)
-    types = None if scalars is None else tuple(type(s) for s in scalars)
+    types = None if scalars is None else tuple(map(type, scalars))
     return (tuple(tensors), tuple(layout), shared, types, extra)
 
 
@@ -131,8 +144,10 @@ def launch(
     """Run one FA4 forward: FA4's compiled calls replayed with `tensors` and `scalars` where
     two earlier calls of the same signature recorded the same ones, else `through_fa4()`, FA4's
     entry point, which writes into the same `tensors` (Note [Direct FA4 launches])."""
-    # Fake tensors (an offline compile) and other subclasses take FA4's own path.
-    if not config.fa4_direct or any(type(t) is not torch.Tensor for t in tensors.values()):
+    # Fake tensors (an offline compile) and other subclasses of the caller's q, k and v take FA4's
+    # own path.
+    user = tensors["q"], tensors["k"], tensors["v"]
+    if not config.fa4_direct or any(type(t) is not torch.Tensor for t in user):
         counts["fa4"] += 1
         through_fa4()
         return
@@ -224,15 +239,42 @@ def _tensor(arg: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> _Tensor:
     return found
 
 
-def _fill(t: Any, tensors: Mapping[str, torch.Tensor], scalars: tuple | None) -> Any:
+class _View:
+    """Makes FA4's view of one of the call's tensors; the view of the last tensor it was given is
+    kept (block lists are the same tensors from call to call)."""
+
+    __slots__ = ("role", "size", "source", "stride", "view")
+
+    def __init__(self, role: str, size: tuple[int, ...], stride: tuple[int, ...]):
+        self.role, self.size, self.stride = role, size, stride
+        self.source = self.view = None
+
+    def __call__(self, tensors: Mapping[str, torch.Tensor], scalars: tuple | None) -> torch.Tensor:
+        x = tensors[self.role]
+        if x is not self.source:
+            self.source, self.view = x, x.as_strided(self.size, self.stride)
+        return self.view
+
+
+def _maker(t: Any) -> Callable | None:
+    """A function of (tensors, scalars) that makes the argument template `t` stands for; None
+    when it is a constant (`_Const`)."""
     kind = type(t)
-    if kind is _Tensor:
-        x = tensors[t.role]
-        return x if t.view is None else x.as_strided(*t.view)
     if kind is _Const:
-        return t.value
+        return None
+    if kind is _Tensor:
+        if t.view is not None:
+            return _View(t.role, *t.view)
+        role = t.role
+        return lambda tensors, scalars: tensors[role]
     if kind is _Tuple:
-        items = [_fill(i, tensors, scalars) for i in t.items]
-        return tuple(items) if t.kind is tuple else t.kind(*items)
+        makers = [_maker(i) for i in t.items]
+        if all(m is None for m in makers):
+            value = tuple(i.value for i in t.items)
+            value = value if t.kind is tuple else t.kind(*value)
+            return lambda tensors, scalars: value
+        parts = [(m, None if m else i.value) for m, i in zip(makers, t.items)]
+        build = tuple if t.kind is tuple else (lambda items, k=t.kind: k(*items))
+        return lambda tensors, scalars: build([m(tensors, scalars) if m else v for m, v in parts])
     assert t is _SCALARS, t
-    return scalars
+    return lambda tensors, scalars: scalars

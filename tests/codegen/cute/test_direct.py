@@ -50,6 +50,8 @@ def _call(fa4: _FakeFA4, step: int, rows: int = 3) -> tuple[dict, tuple]:
     q = torch.randn(2, rows, 4)
     tensors = {
         "q": q,
+        "k": torch.randn(2, rows, 4),
+        "v": torch.randn(2, rows, 4),
         "out": torch.empty(2, rows, 4),
         "lse": torch.empty(2, rows),
         "cnt": torch.full((1, 3), float(step)),
@@ -106,7 +108,7 @@ def test_calls_that_differ_for_one_signature_are_not_replayed():
     fa4 = _FakeFA4()
     for step in range(4):
         q = torch.randn(2, 3, 4)
-        t = {"q": q, "out": torch.empty(2, 3, 4), "lse": torch.empty(2, 3),
+        t = {"q": q, "k": q, "v": q, "out": torch.empty(2, 3, 4), "lse": torch.empty(2, 3),
              "cnt": torch.zeros(1, 3)}  # fmt: skip
         direct.launch(t, (0.0,), lambda t=t, s=step: fa4.forward(t, (0.0,), 0.5, s % 2 == 0), ())
         assert torch.equal(t["out"], q * 0.5 + (1 if step % 2 == 0 else 0))
