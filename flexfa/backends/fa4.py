@@ -165,9 +165,12 @@ class Fa4Backend(Backend):
             path = backend.describe_packed(spec)
         else:  # Note [Document masks on FA4's varlen kernels] in flexfa/codegen/cute/plan.py
             documents = backend.document_lowering(spec)
-            if documents is None:
-                return answer
-            path = documents[0].reason
+            if documents is not None:
+                path = documents[0].reason
+            else:  # Note [Prefix masks as two native calls] in flexfa/codegen/cute/plan.py
+                path = backend.describe_split(spec)
+                if path is None:
+                    return answer
         return Support.yes("; ".join(n for n in (path, answer.reason) if n))
 
     def _supports(self, spec: AttentionSpec) -> Support:

@@ -23,6 +23,7 @@ from flexfa.codegen.cute.plan import (
     document_mask,
     lower_mask,
     lower_packed_mask,
+    split_rows,
 )
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
@@ -138,11 +139,22 @@ def plan_call(
     block_mask: BlockMask | None = None,
     group_size: int = 1,
     arch_major: int = 9,
+    split: bool = True,
 ) -> Call:
     """Mask lowerings of both passes and the generated hooks for one call's mods. With
     `block_mask`, passes that use the mask_mod also get FA4's block-sparse lists (Note
-    [Block-sparse lists for FA4]; the caller checked `sparse.why_not_sparse`)."""
+    [Block-sparse lists for FA4]; the caller checked `sparse.why_not_sparse`). `split`: a mask
+    proven to be two native masks by rows may run as two calls (Note [Prefix masks as two native
+    calls] in plan.py)."""
     lowering = mask_lowering(mask, len_q, len_kv)
+    if split and not lowering.native and (score is None or "q_idx" not in score.variables):
+        rows = split_rows(mask, len_q, len_kv)
+        if rows is not None:
+            reason = (
+                f"proven: native masks by rows, rows below {rows.rows} against keys below "
+                f"{rows.keys}, causal rows from there on (two calls of FA4's window kernel)"
+            )
+            lowering = MaskLowering("rows", reason=reason, split=rows)
     bwd_lowering = lowering  # the same in both passes
     grad_slots = score.grad_slots() if score is not None and needs_grad else frozenset()
     # A mask used natively in both passes needs no mask_mod: it stays out of the module (and of
@@ -476,11 +488,41 @@ def make_call(spec: AttentionSpec, *, varlen: bool = True) -> Call:
             block_mask=spec.block_mask if uses_block_sparse(spec) else None,
             group_size=spec.group_size,
             arch_major=_arch_major(spec.device) or 9,
+            split=_may_split(spec),
         )
     if not spec.needs_grad:
         return call
     padded = backward_head_dim(spec.head_dim, spec.head_dim_v, _arch_major(spec.device))
     return dataclasses.replace(call, bwd_head_dim=padded)
+
+
+def describe_split(spec: AttentionSpec) -> str | None:
+    """What `explain_backend` says of a call whose mask runs as two native calls by rows (Note
+    [Prefix masks as two native calls] in plan.py); None for other calls."""
+    mask = None if spec.mask.is_trivially_true else spec.mask
+    if mask is None or mask_lowering(mask, spec.len_q, spec.len_kv).native:
+        return None
+    if split_rows(mask, spec.len_q, spec.len_kv) is None:
+        return None
+    if not _may_split(spec):
+        return "a prefix mask proven native by rows, kept on block-sparse lists as asked"
+    score = spec.score_mod
+    if score is not None and "q_idx" in score.variables:
+        return (
+            "a prefix mask proven native by rows, kept as a mask_mod: the score_mod reads q_idx, "
+            "which the second call would see from 0"
+        )
+    return "a prefix mask as two calls with FA4's native masks, split by rows"
+
+
+def _may_split(spec: AttentionSpec) -> bool:
+    """Whether a mask proven to be native by rows may run as two calls: not where the caller
+    asks for block-sparse lists, nor for a BlockMask of the user's own block lists (whose empty
+    tiles may exclude pairs the mask_mod allows)."""
+    if spec.kernel_options.get("block_sparse"):
+        return False
+    bm = spec.block_mask
+    return bm is None or bm.tiles_from_mask
 
 
 def _pad_head_dim(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -502,6 +544,21 @@ def forward(call: Call, q, k, v, score_tensors) -> tuple[torch.Tensor, torch.Ten
             for b, seqs in enumerate(call.rows)
         ]  # fmt: skip
         return out, torch.cat(lses)
+    split = call.lowering.split
+    if split is not None:  # Note [Prefix masks as two native calls] in plan.py
+        rows, keys = split.rows, split.keys
+        parts = (
+            (slice(0, rows), slice(0, keys), split.first),
+            (slice(rows, None), slice(None), split.second),
+        )
+        lses = [
+            launch.forward(
+                q[:, :, r], k[:, :, c], v[:, :, c], out=out[:, :, r], scale=call.scale,
+                lowering=lowering, hooks=call.hooks, tensors=tensors, scalars=call.scalars,
+            )[1]
+            for r, c, lowering in parts
+        ]  # fmt: skip
+        return out, torch.cat(lses, dim=2)
     return launch.forward(
         q,
         k,
@@ -547,6 +604,24 @@ def backward(
             for b, seqs in enumerate(call.rows)
         ]  # fmt: skip
         dq, dk, dv = (torch.cat(g) for g in zip(*rows))
+    elif call.bwd_lowering.split is not None:  # Note [Prefix masks as two native calls]
+        split = call.bwd_lowering.split
+        r, c = split.rows, split.keys
+        (dq0, dk0, dv0), (dq1, dk, dv) = (
+            launch.backward(
+                q[:, :, rs], k[:, :, cs], v[:, :, cs], out[:, :, rs], dout[:, :, rs],
+                lse[:, :, rs].contiguous(), None if dlse is None else dlse[:, :, rs].contiguous(),
+                scale=call.scale, lowering=lowering, hooks=call.hooks, tensors=tensors,
+                deterministic=call.deterministic, scalars=call.scalars,
+            )
+            for rs, cs, lowering in (
+                (slice(0, r), slice(0, c), split.first),
+                (slice(r, None), slice(None), split.second),
+            )
+        )  # fmt: skip
+        dq = torch.cat([dq0, dq1], dim=2)
+        dk[:, :, :c] += dk0
+        dv[:, :, :c] += dv0
     else:
         dq, dk, dv = launch.backward(
             q,

@@ -173,9 +173,15 @@ def compile_call(
         # Fake tensors: their addresses go to FA4 as Int64(0), typed as a real call's (Note
         # [Captured tensors by address]).
         tensors = [torch.empty(shape, dtype=dt, device="cuda") for shape, dt in specs]
+        # A mask split by rows runs both parts on one kernel (Note [Prefix masks as two native
+        # calls] in plan.py): compiled once, with the second part's window.
+        fwd_lowering = call.lowering.split.second if call.lowering.split else call.lowering
+        bwd_lowering = (
+            call.bwd_lowering.split.second if call.bwd_lowering.split else call.bwd_lowering
+        )
         t0 = time.perf_counter()
         o, lse = launch.forward(
-            q, k, v, out=torch.empty_like(q), scale=call.scale, lowering=call.lowering,
+            q, k, v, out=torch.empty_like(q), scale=call.scale, lowering=fwd_lowering,
             hooks=call.hooks, tensors=tensors, arch=number,
             block_sparse=_fake_lists(call.fwd_sparse), scalars=call.scalars,
             sequences=call.sequences,
@@ -195,7 +201,7 @@ def compile_call(
             t0 = time.perf_counter()
             launch.backward(
                 q, k, v, o, torch.empty_like(o), lse, None, scale=head_dim**-0.5,
-                lowering=call.bwd_lowering, hooks=call.hooks, tensors=tensors + grads,
+                lowering=bwd_lowering, hooks=call.hooks, tensors=tensors + grads,
                 deterministic=False, block_sparse=_fake_lists(call.bwd_sparse),
                 scalars=call.scalars, sequences=call.sequences,
             )  # fmt: skip

@@ -30,7 +30,8 @@ from typing import Literal
 import torch
 
 from flexfa.blockmask.analysis import _Static
-from flexfa.blockmask.block_mask import BlockSize
+from flexfa.blockmask.block_mask import BlockSize, TileState
+from flexfa.blockmask.build import classify
 from flexfa.blockmask.exact import evaluate_mask
 from flexfa.blockmask.grid import TileGrid
 from flexfa.blockmask.lines import Sig
@@ -38,17 +39,20 @@ from flexfa.frontend.trace import TracedMod
 from flexfa.ir import build
 from flexfa.ir.nodes import Node, Op, toposort
 
-LoweringKind = Literal["full", "causal", "window", "mask_mod"]
+LoweringKind = Literal["full", "causal", "window", "rows", "mask_mod"]
 
 
 @dataclasses.dataclass(frozen=True)
 class MaskLowering:
-    """How the mask of one call is passed to FA4, and why (`reason`, for explain and export)."""
+    """How the mask of one call is passed to FA4, and why (`reason`, for explain and export).
+    "rows": two calls, each with a native mask (`split`, Note [Prefix masks as two native
+    calls])."""
 
     kind: LoweringKind
     window_left: int | None = None
     window_right: int | None = None
     reason: str = ""
+    split: RowSplit | None = None
 
     @property
     def native(self) -> bool:
@@ -56,6 +60,8 @@ class MaskLowering:
 
     def fa4_kwargs(self) -> dict:
         """Keyword arguments of FA4's `_flash_attn_fwd` / `_flash_attn_bwd` for this mask."""
+        if self.kind == "rows":
+            raise ValueError("a split mask is two FA4 calls: use the lowerings of its parts")
         if self.kind == "causal":
             return {"causal": True}
         if self.kind == "window":
@@ -377,3 +383,99 @@ def _ids_slot(node: Node) -> tuple[int, bool] | None:
 
 def _var(node: Node) -> str | None:
     return node.arg if node.op is Op.VAR else None
+
+
+# Note [Prefix masks as two native calls]
+# A prefix-LM mask, `kv_idx < P | kv_idx <= q_idx`, is no band of q_idx - kv_idx, so it reaches
+# FA4 as a mask_mod over block-sparse lists: the block-sparse kernel torch's FLASH backend runs
+# too. Split at row P it is two of FA4's native masks: rows below P attend to keys below P, all of
+# them (a full mask on the first P keys); rows from P on are causal over every key, which, with
+# the row slice's own length, is FA4's bottom-right causal mask (off = len_kv - (len_q - P), so
+# kv_idx <= (q_idx - P) + off = q_idx + len_kv - len_q). Both parts run as FA4's local window with
+# a left bound no key reaches: (len_kv, P - 1 + len_kv) and (len_kv, 0), so one compiled kernel
+# (per pass) serves both, and a first call compiles it once. `split_rows` finds P in the IR (a
+# top-level `|` with a term kv_idx < P, or kv_idx <= P - 1) and proves both parts with flexfa's
+# tile analysis, exactly: the masks `q_idx < P & (mask != kv_idx < P)` and `q_idx >= P & (mask !=
+# kv_idx <= q_idx + len_kv - len_q)` must have no pair on the call's grid (`classify`, whose
+# undecided tiles are evaluated pair by pair). Any mask of q_idx and kv_idx alone, without
+# tensors, that passes the proof takes the split, whatever its form. The score_mod must not read
+# q_idx: the second call's hooks see rows from 0 (the backend checks it). The backward runs both
+# parts' backwards and adds the first part's dK and dV into the second's.
+@dataclasses.dataclass(frozen=True)
+class RowSplit:
+    """A mask proven to be two native masks by rows (Note [Prefix masks as two native calls]):
+    rows [0, rows) against keys [0, keys) under `first`, rows [rows, len_q) against every key
+    under `second`."""
+
+    rows: int
+    keys: int
+    first: MaskLowering
+    second: MaskLowering
+
+
+def split_rows(mask: TracedMod | None, len_q: int, len_kv: int) -> RowSplit | None:
+    """The split of Note [Prefix masks as two native calls] where it is proven, else None.
+
+    >>> from flexfa.frontend.trace import trace_mask_mod
+    >>> from flexfa import masks
+    >>> split = split_rows(trace_mask_mod(masks.prefix_lm(100)), 300, 300)
+    >>> split.rows, split.keys, split.second.fa4_kwargs()
+    (100, 100, {'window_size_left': 300, 'window_size_right': 0})
+    >>> split_rows(trace_mask_mod(masks.causal), 300, 300) is None
+    True
+    """
+    if mask is None or mask.captures or mask.variables - {"q_idx", "kv_idx"}:
+        return None
+    return _split_rows(mask, len_q, len_kv)
+
+
+@functools.lru_cache(maxsize=256)
+def _split_rows(mask: TracedMod, len_q: int, len_kv: int) -> RowSplit | None:
+    prefix = _prefix_length(mask)
+    if prefix is None or not 0 < prefix < min(len_q, len_kv) or len_kv < len_q:
+        return None
+    q, kv = build.var("q_idx"), build.var("kv_idx")
+    first = build.binary(Op.LT, kv, build.const(prefix))
+    # FA4's causal mask of the rows from `prefix` on, in the call's own positions
+    second = build.binary(Op.LE, kv, build.add(q, build.const(len_kv - len_q)))
+    rows_first = build.binary(Op.LT, q, build.const(prefix))
+    differs_first = build.binary(Op.AND, rows_first, build.binary(Op.NE, mask.output, first))
+    differs_second = build.binary(
+        Op.AND,
+        build.unary(Op.NOT, rows_first),
+        build.binary(Op.NE, mask.output, second),
+    )
+    grid = TileGrid(1, 1, len_q, len_kv, BlockSize(128, 128), torch.device("cpu"))
+    for name, node in (("first", differs_first), ("second", differs_second)):
+        differs = TracedMod(
+            kind="mask_mod", name=f"{mask.name}_{name}_differs", output=node, captures=(),
+            tensors=(), fn=_inner_has_no_function,
+        )  # fmt: skip
+        if bool((classify(differs, grid).states != int(TileState.EMPTY)).any()):
+            return None
+    left = len_kv  # no key is that far left of its row
+    return RowSplit(
+        rows=prefix,
+        keys=prefix,
+        first=MaskLowering("window", left, prefix - 1 + len_kv, reason="rows before the prefix"),
+        second=MaskLowering("window", left, 0, reason="causal rows from the prefix on"),
+    )
+
+
+def _prefix_length(mask: TracedMod) -> int | None:
+    """P of a top-level term kv_idx < P (or kv_idx <= P - 1) of a `|`."""
+    if mask.output.op is not Op.OR:
+        return None
+    for term in _disjuncts(mask.output):
+        if term.op not in (Op.LT, Op.LE):
+            continue
+        a, b = term.srcs
+        if _var(a) == "kv_idx" and b.op is Op.CONST and isinstance(b.arg, int):
+            return b.arg if term.op is Op.LT else b.arg + 1
+    return None
+
+
+def _disjuncts(node: Node) -> list[Node]:
+    if node.op is Op.OR and node.dtype.is_bool:
+        return [t for src in node.srcs for t in _disjuncts(src)]
+    return [node]

@@ -74,6 +74,13 @@ def _key_bias(case, dev):
     return key_bias, None, (bias, temp)
 
 
+def _prefix_key_bias(case, dev):
+    # A captured key bias and temperature with gradients, GQA, under a prefix-LM mask: both calls
+    # of the split add into the gradient buffers.
+    key_bias, _, params = _key_bias(case, dev)
+    return key_bias, fm.prefix_lm(300), params
+
+
 def _bias_keep_doc(case, dev):
     # Both mods read tensors, which reach the hooks by address (Note [Captured tensors by
     # address]): the score_mod's table (with a gradient, whose buffer comes after the mask_mod's
@@ -102,7 +109,10 @@ CASES = [
     GpuCase("causal", 1, 4, 4, 700, 1300, 64, bf16, causal, "mask_mod"),
     GpuCase("softcap_window", 1, 4, 4, 4096, 4096, 128, bf16, softcap_window, "window"),
     GpuCase("bidirectional_window", 1, 2, 2, 1111, 1111, 64, bf16, _bidirectional_window, "window"),
-    GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod"),
+    # Prefix masks as two native calls by rows (Note [Prefix masks as two native calls]).
+    GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "rows"),
+    GpuCase("prefix_lm", 1, 4, 4, 777, 777, 64, f16, _prefix_lm, "rows"),
+    GpuCase("prefix_key_bias", 2, 8, 2, 1111, 1111, 128, bf16, _prefix_key_bias, "rows"),
     GpuCase("dilated", 1, 2, 2, 1024, 1024, 64, f16, _dilated, "mask_mod"),
     GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod"),
     GpuCase("relative_bias", 1, 4, 2, 1531, 1531, 128, bf16, relative_bias, "causal"),

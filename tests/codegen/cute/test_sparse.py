@@ -125,8 +125,11 @@ def _plan(score, mask_mod, monkeypatch, **kw):
 def test_plan_uses_lists_where_the_rules_allow(monkeypatch):
     from flexfa.frontend import trace_score_mod
 
-    prefix = flexfa.masks.prefix_lm(100)
+    def prefix(b, h, q_idx, kv_idx):  # a prefix and a sliding window: no native split
+        return (kv_idx < 100) | ((kv_idx <= q_idx) & (q_idx - kv_idx < 64))
+
     call = _plan(None, prefix, monkeypatch)
+    assert call.lowering.kind == "mask_mod"
     assert call.fwd_sparse is not None and call.bwd_sparse is not None
     # With a score_mod too (Note [Backward with a score_mod]).
     softcap = trace_score_mod(flexfa.mods.softcap(20.0))
@@ -135,9 +138,14 @@ def test_plan_uses_lists_where_the_rules_allow(monkeypatch):
     # deterministic=True: FA4's deterministic block-sparse backward needs write orders we do not
     # build, so the backward walks every tile.
     assert _plan(None, prefix, monkeypatch, deterministic=True).bwd_sparse is None
-    # Native masks need no lists.
+    # Native masks need no lists, nor do masks split into native ones (Note [Prefix masks as
+    # two native calls]), unless the split is declined.
     call = _plan(None, flexfa.masks.causal, monkeypatch)
     assert call.lowering.native and call.fwd_sparse is None and call.bwd_sparse is None
+    call = _plan(None, flexfa.masks.prefix_lm(100), monkeypatch)
+    assert call.lowering.kind == "rows" and call.fwd_sparse is None and call.bwd_sparse is None
+    call = _plan(None, flexfa.masks.prefix_lm(100), monkeypatch, split=False)
+    assert call.lowering.kind == "mask_mod" and call.fwd_sparse is not None
 
 
 def test_lists_have_row_major_strides_with_one_block():
