@@ -241,19 +241,22 @@ def _tensor(arg: torch.Tensor, tensors: Mapping[str, torch.Tensor]) -> _Tensor:
 
 class _View:
     """Makes FA4's view of one of the call's tensors; the view of the last tensor it was given is
-    kept (block lists are the same tensors from call to call)."""
+    kept (block lists are the same tensors from call to call), as one (tensor, view) pair that
+    threads replace whole."""
 
-    __slots__ = ("role", "size", "source", "stride", "view")
+    __slots__ = ("last", "role", "size", "stride")
 
     def __init__(self, role: str, size: tuple[int, ...], stride: tuple[int, ...]):
         self.role, self.size, self.stride = role, size, stride
-        self.source = self.view = None
+        self.last: tuple = (None, None)
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], scalars: tuple | None) -> torch.Tensor:
         x = tensors[self.role]
-        if x is not self.source:
-            self.source, self.view = x, x.as_strided(self.size, self.stride)
-        return self.view
+        source, view = self.last
+        if source is not x:
+            view = x.as_strided(self.size, self.stride)
+            self.last = (x, view)
+        return view
 
 
 def _maker(t: Any) -> Callable | None:
