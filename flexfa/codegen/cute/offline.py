@@ -152,6 +152,7 @@ def compile_call(
             scale=head_dim**-0.5,
             block_mask=bm if block_sparse else None,
             arch_major=number // 10,
+            split=not block_sparse,  # as a call that asks for the lists (Note [Prefix masks ...])
         )
     else:
         call = _plan_packed(score, mask_mod, tuple(seqlens), backward, head_dim)

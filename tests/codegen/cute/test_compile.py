@@ -104,6 +104,28 @@ def test_block_sparse_lists_compile(tmp_path, arch):
     assert bwd and MMA[arch] in Path(bwd[0]).read_text()
 
 
+_SPLIT_CHILD = """
+import json, sys, flexfa
+from flexfa.codegen.cute import offline
+report = offline.compile_call(flexfa.mods.softcap(20.0), flexfa.masks.prefix_lm(300),
+                              arch=sys.argv[2], out_dir=sys.argv[1], head_dim=64)
+print(json.dumps({"lowering": report.lowering, "ptx": [str(p) for p in report.ptx]}))
+"""
+
+
+# Note [Prefix masks as two native calls]: both parts run FA4's window kernel, compiled once per
+# pass, without a mask_mod or block lists.
+@pytest.mark.parametrize("arch", [pytest.param("sm_90a", marks=pytest.mark.slow), "sm_100a"])
+def test_prefix_masks_split_by_rows_compile(tmp_path, arch):
+    res = run_child(tmp_path, [sys.executable, "-c", _SPLIT_CHILD, str(tmp_path / "out"), arch])
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["lowering"].startswith("rows: proven"), got["lowering"]
+    assert "block-sparse" not in got["lowering"]
+    texts = {Path(p).name: Path(p).read_text() for p in got["ptx"]}
+    for which in ("flash_fwd", "flash_bwd_sm"):
+        assert MMA[arch] in kernel(texts, which)
+
+
 _SCALARS_CHILD = """
 import json, struct, sys, torch, flexfa
 from flexfa.codegen.cute import offline
