@@ -336,7 +336,7 @@ def _inner_has_no_function(*args: object) -> None:
 def _document_mask(output: Node, name: str) -> DocumentMask | None:
     """`document_mask` by the mask's IR (interned: equal IR is the same node) and name, so that a
     repeated call finds the same inner TracedMod, and with it the cached lowerings."""
-    terms = _conjuncts(output)
+    terms = _terms(output, Op.AND)
     found = next((t for t in terms if _ids_slot(t) is not None), None)
     if found is None:
         return None
@@ -356,9 +356,10 @@ def _document_mask(output: Node, name: str) -> DocumentMask | None:
     return DocumentMask(slot, by_batch, inner)
 
 
-def _conjuncts(node: Node) -> list[Node]:
-    if node.op is Op.AND and node.dtype.is_bool:
-        return [t for src in node.srcs for t in _conjuncts(src)]
+def _terms(node: Node, op: Op) -> list[Node]:
+    """The terms of a boolean `&` (op AND) or `|` (op OR) tree at the top of `node`."""
+    if node.op is op and node.dtype.is_bool:
+        return [t for src in node.srcs for t in _terms(src, op)]
     return [node]
 
 
@@ -466,16 +467,10 @@ def _prefix_length(mask: TracedMod) -> int | None:
     """P of a top-level term kv_idx < P (or kv_idx <= P - 1) of a `|`."""
     if mask.output.op is not Op.OR:
         return None
-    for term in _disjuncts(mask.output):
+    for term in _terms(mask.output, Op.OR):
         if term.op not in (Op.LT, Op.LE):
             continue
         a, b = term.srcs
         if _var(a) == "kv_idx" and b.op is Op.CONST and isinstance(b.arg, int):
             return b.arg if term.op is Op.LT else b.arg + 1
     return None
-
-
-def _disjuncts(node: Node) -> list[Node]:
-    if node.op is Op.OR and node.dtype.is_bool:
-        return [t for src in node.srcs for t in _disjuncts(src)]
-    return [node]

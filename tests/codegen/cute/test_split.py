@@ -91,10 +91,16 @@ def _install_stand_in(monkeypatch, score_mod, seen):
 
 
 @pytest.mark.parametrize(
-    ("heads", "length", "score_mod"),
-    [((2, 2), 300, None), ((4, 2), 257, fmods.softcap(5.0)), ((2, 1), 130, None)],
+    ("heads", "length", "score_mod", "layouts"),
+    [
+        ((2, 2), 300, None, False),
+        ((4, 2), 257, fmods.softcap(5.0), True),
+        ((2, 1), 130, None, True),
+    ],
 )
-def test_split_forward_and_backward_equal_the_mask(monkeypatch, heads, length, score_mod):
+def test_split_forward_and_backward_equal_the_mask(monkeypatch, heads, length, score_mod, layouts):
+    """`layouts`: q seen permuted from a (B, L, H, E) buffer, dO sliced and dLSE expanded with
+    stride 0, as `lse.sum()` hands it."""
     from flexfa.codegen.cute import backend
 
     seen: list = []
@@ -102,7 +108,10 @@ def test_split_forward_and_backward_equal_the_mask(monkeypatch, heads, length, s
     torch.manual_seed(0)
     f64 = torch.float64
     hq, hkv = heads
-    q = torch.randn(2, hq, length, 32, dtype=f64, requires_grad=True)
+    if layouts:
+        q = torch.randn(2, length, hq, 32, dtype=f64).transpose(1, 2).requires_grad_()
+    else:
+        q = torch.randn(2, hq, length, 32, dtype=f64, requires_grad=True)
     k, v = (torch.randn(2, hkv, length, 32, dtype=f64, requires_grad=True) for _ in range(2))
     mask_mod = fm.prefix_lm(100)
     spec = build_spec(q, k, v, score_mod, mask_mod, enable_gqa=hq != hkv)
@@ -110,8 +119,12 @@ def test_split_forward_and_backward_equal_the_mask(monkeypatch, heads, length, s
     assert call.lowering.kind == call.bwd_lowering.kind == "rows"
     assert call.hooks.mask_mod is None and call.fwd_sparse is None
     out, lse = backend.run(spec, q, k, v)
-    dout = torch.randn_like(out)
-    dlse = torch.randn_like(lse)
+    if layouts:
+        dout = torch.randn(*out.shape[:-1], 64, dtype=f64)[..., ::2]
+        dlse = torch.randn(1, 1, 1, dtype=f64).expand_as(lse)
+    else:
+        dout = torch.randn_like(out)
+        dlse = torch.randn_like(lse)
     got = torch.autograd.grad((out, lse), (q, k, v), (dout, dlse))
     o, l = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=hq != hkv)
     want = torch.autograd.grad((o, l), (q, k, v), (dout, dlse))
