@@ -3,9 +3,9 @@
 # Note [Direct FA4 launches]
 # FA4's `_flash_attn_fwd` runs several hundred lines of Python per call (argument checks, tile,
 # scheduler and block-sparse choices, its compile key) before its compiled kernel takes the
-# call's tensors through TVM-FFI. On the H200's host that Python took 97-333 µs per forward
-# (causal to document-causal, B=2, H=16, N=8192), and calling the compiled kernel with the same
-# arguments 7-12 µs; the document-causal forward runs 0.30 ms on the GPU, so FA4's Python set its
+# call's tensors through TVM-FFI. On the H200's host that Python took 77-333 µs per forward
+# (causal to document-causal, B=2, H=16, N=8192, three runs), and calling the compiled kernel with
+# the same arguments 7-12 µs; the document-causal forward runs 0.30 ms on the GPU, so FA4's Python set its
 # speed (docs/performance.md). A flexfa call repeats: a planned call gets tensors of the same
 # sizes, strides and dtypes each time, and only their addresses and the lifted scalars' values
 # change. So `launch` records, through FA4's wrapped compile caches (`jitcache.recording`), which
@@ -93,7 +93,8 @@ class Replay:
             makers = [_maker(a) for a in args]
             fixed = [a.value if m is None else None for a, m in zip(args, makers)]
             places = [(i, m) for i, m in enumerate(makers) if m is not None]
-            self._steps.append((fn, fixed, places, {n: _maker(t) or t.value for n, t in kwargs}))
+            named = [(n, _maker(t), t.value if type(t) is _Const else None) for n, t in kwargs]
+            self._steps.append((fn, fixed, places, named))
 
     def same_as(self, other: Replay) -> bool:
         return len(self.calls) == len(other.calls) and all(
@@ -105,11 +106,8 @@ class Replay:
             args = fixed.copy()
             for i, make in places:
                 args[i] = make(tensors, scalars)
-            if kwargs:
-                fn(
-                    *args,
-                    **{n: m(tensors, scalars) if callable(m) else m for n, m in kwargs.items()},
-                )
+            if kwargs:  # FA4 passes none today; kept general
+                fn(*args, **{n: m(tensors, scalars) if m else v for n, m, v in kwargs})
             else:
                 fn(*args)
 

@@ -42,8 +42,8 @@ class _FakeFA4:
         if self.own_tensor:
             lists = (torch.zeros(2, 3),)
         self.compile_cache[key](
-            t["q"].detach(), t["out"], t["lse"], scale, AuxData(None, scalars), lists, flag
-        )
+            t["q"].detach(), t["out"], t["lse"], scale, AuxData(None, scalars), lists, flag=flag
+        )  # a keyword argument too
 
 
 def _call(fa4: _FakeFA4, step: int, rows: int = 3) -> tuple[dict, tuple]:
