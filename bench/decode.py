@@ -18,6 +18,8 @@ configurations at Lkv = L for each Lq (`--configs` gives them as a JSON list of 
 instead), and `flexfa_best` uses the best one at every Lkv.
 `--masked` adds ALiBi + sliding window 4096 and a document mask (Lq=1) against torch flex, also
 captured in CUDA graphs (GPU time without the host's).
+`--variants JSON` (a list of kernel_options) also times flexfa, the paged cache and the masked
+steps with each of them, as systems named "flexfa {options}" and "paged {options}".
 One JSON line per measurement; a table at the end; $OUT/decode.json when OUT is set. `--budget`
 seconds stops the sweep early so the table is still printed.
 """
@@ -113,7 +115,9 @@ def main() -> None:
     ap.add_argument("--rep", type=int, default=100)
     ap.add_argument("--budget", type=float, default=1e9)
     ap.add_argument("--configs", default="", help="JSON list of kernel_options for --sweep")
+    ap.add_argument("--variants", default="", help="JSON list of kernel_options to time as well")
     a = ap.parse_args()
+    variants = [json.dumps(o) for o in json.loads(a.variants)] if a.variants else []
     start = time.perf_counter()
     systems = a.systems.split(",")
     lqs = [int(x) for x in a.lq.split(",")]
@@ -197,7 +201,21 @@ def main() -> None:
                 fns["paged"] = lambda: flexfa.attention(
                     q, kp, vp, enable_gqa=True, page_table=table, kv_lens=lens
                 )
-            for name in systems:
+            names = list(systems)
+            for tag in variants:
+                opts = json.loads(tag)
+                if "flexfa" in systems:
+                    names.append(f"flexfa {tag}")
+                    fns[names[-1]] = lambda opts=opts: flexfa.attention(
+                        q, k, v, enable_gqa=True, kernel_options=opts
+                    )
+                if "paged" in systems:
+                    names.append(f"paged {tag}")
+                    fns[names[-1]] = lambda opts=opts: flexfa.attention(
+                        q, kp, vp, enable_gqa=True, page_table=table, kv_lens=lens,
+                        kernel_options=opts,
+                    )  # fmt: skip
+            for name in names:
                 fn = fns.get(name)
                 if fn is None:
                     continue
@@ -248,8 +266,16 @@ def main() -> None:
                     f2 = lambda: flexfa.attention(q, k, v, score, fbm, enable_gqa=True)
                     err = rel_err(f2(), ref)
                     t1, t2 = bench(f1, a.rep), bench(f2, a.rep)
-                    graphs = {}
-                    for system, fn in (("flex", f1), ("flexfa", f2)):
+                    graphs, extra = {}, {}
+                    timed = [("flex", f1), ("flexfa", f2)]
+                    for tag in variants:
+                        opts = json.loads(tag)
+                        fn = lambda opts=opts: flexfa.attention(
+                            q, k, v, score, fbm, enable_gqa=True, kernel_options=opts
+                        )
+                        extra[f"flexfa {tag} us"] = bench(fn, a.rep)
+                        timed.append((f"flexfa {tag}", fn))
+                    for system, fn in timed:
                         try:  # GPU time alone: the call captured in a CUDA graph, replayed
                             graph = torch.cuda.CUDAGraph()
                             with torch.cuda.graph(graph):
@@ -267,18 +293,20 @@ def main() -> None:
                     kv_fraction_read=live,
                     flexfa_tb_s_read=kv_bytes * live / t2 / 1e6,
                     rel_err=err,
+                    **extra,
                     **graphs,
                 )
             except Exception as e:
                 emit(masked=name, error=repr(e)[:300])
 
-    print(f"{'Lq, Lkv':>14} " + "".join(f"| {s:>18} " for s in systems))
+    columns = list(dict.fromkeys(name for r in rows for name in r if name not in ("Lq", "Lkv")))
+    print(f"{'Lq, Lkv':>14} " + "".join(f"| {s:>18} " for s in columns))
     for r in rows:
         lkv = r["Lkv"]
         kv_bytes = 2 * B * HKV * lkv * D * 2
         cells = "".join(
             f"| {r[s]:8.0f} ({kv_bytes / r[s] / 1e6:4.2f}) " if s in r else f"| {'-':>18} "
-            for s in systems
+            for s in columns
         )
         print(f"{r['Lq']:>4}, {lkv:>8} " + cells)
     print(f"total {time.perf_counter() - start:.0f} s")

@@ -499,8 +499,8 @@ def test_decode_replays_in_a_cuda_graph(options):
 @pytest.mark.parametrize(
     "len_q, dense, splits, stages",
     [
-        (1, False, 8, 3),
-        (4, False, 8, 3),
+        (1, False, 4, 3),
+        (4, False, 4, 3),
         (16, False, 4, 3),
         (1, True, 4, 4),
         (4, True, 4, 4),
@@ -508,9 +508,9 @@ def test_decode_replays_in_a_cuda_graph(options):
     ],
 )
 def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, splits, stages):
-    """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): four
-    programs per SM for row tiles under 64 rows on the listed walk, two (one wave) for tiles of
-    64 rows and for smaller tiles on the dense walk (4 stages deep), as measured."""
+    """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): two
+    programs per SM (one wave) for every row tile; tiles under 64 rows run 4 stages deep where
+    every tile is full, else 3, as measured."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
@@ -525,8 +525,8 @@ def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, split
 
 @pytest.mark.parametrize("len_q", [1, 16])
 def test_decode_before_sm90_keeps_the_listed_walk(monkeypatch, len_q):
-    """Note [Dense decode]: GPUs before sm_90 keep the listed walk and its launch shape by default
-    (the dense walk's deeper pipeline would not fit the shared memory of sm_86 and sm_89)."""
+    """Note [Dense decode]: GPUs before sm_90 keep the listed walk by default, 2 stages deep
+    (a deeper pipeline of 64-row tiles would not fit the shared memory of sm_86 and sm_89)."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 84)
@@ -534,13 +534,13 @@ def test_decode_before_sm90_keeps_the_listed_walk(monkeypatch, len_q):
     k = v = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16)
     spec = build_spec(q, k, v, None, None, enable_gqa=True)
     cfg = decode.default_config(spec, (8, 6), 32768 // 128, 1, dense_lists=True)
-    assert not cfg.dense and cfg.num_stages == 3, cfg
+    assert not cfg.dense and cfg.num_stages == 2, cfg
 
 
 def test_small_paged_decode_tiles_keep_the_listed_walk(monkeypatch):
-    """Note [Dense decode]: row tiles under 64 rows of a paged cache keep the listed walk and its
-    launch shape (8 splits, 3 stages) by default; given decode_dense=True they walk dense with
-    that launch shape."""
+    """Note [Dense decode]: row tiles under 64 rows of a paged cache keep the listed walk (4
+    splits, 3 stages) by default; given decode_dense=True they walk dense with that launch
+    shape (Note [Block ids a tile ahead])."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
@@ -554,7 +554,7 @@ def test_small_paged_decode_tiles_keep_the_listed_walk(monkeypatch):
             kernel_options=opts,
         )  # fmt: skip
         cfg = decode.default_config(spec, (9, 0), 32768 // 128, 1, dense_lists=True)
-        assert (cfg.dense, cfg.num_splits, cfg.num_stages) == (dense, 8, 3), cfg
+        assert (cfg.dense, cfg.num_splits, cfg.num_stages) == (dense, 4, 3), cfg
 
 
 @pytest.mark.gpu
@@ -578,3 +578,71 @@ def test_repeated_decode_calls_with_moving_query_alignment_on_gpu():
     check.assert_ok()
     known = [e for p in decode._by_spec.values() for e in p[1].by_spec.values()]
     assert any(len(e.kernels) == 2 for e in known), "both alignments kept for one spec"
+
+
+_PIPELINE_CHILD = """
+import json, torch, flexfa
+from flexfa.api import build_spec
+from flexfa.codegen.triton import decode
+from flexfa.codegen.triton.decode_configs import DecodeConfig
+from flexfa.codegen.triton.offline import compile_launch
+
+def window(b, h, q_idx, kv_idx):
+    return q_idx + 8192 - kv_idx < 2048
+
+def shared(lq, paged, mask, dense, stages):
+    B, Hq, Hkv, D, L, page = 2, 8, 2, 128, 8192, 64
+    q = torch.empty(B, Hq, lq, D, dtype=torch.bfloat16)
+    kw = {}
+    if paged:
+        k = torch.empty(B * L // page, Hkv, page, D, dtype=torch.bfloat16)
+        table = torch.randperm(B * L // page, dtype=torch.int32).view(B, -1)
+        kw = dict(page_table=table, kv_lens=torch.full((B,), L, dtype=torch.int32))
+    else:
+        k = torch.empty(B, Hkv, L, D, dtype=torch.bfloat16)
+    spec = build_spec(q, k, k, None, mask, enable_gqa=True, **kw)
+    cfg = DecodeConfig(block_m=max(16, 4 * lq), block_n=64, num_splits=2, num_stages=stages,
+                       dense=dense)
+    out, lse = torch.empty_like(q), torch.empty(B, Hq, lq)
+    launch = decode.launches(spec, q, k, k, out, lse, cfg, capability=(9, 0),
+                             force_compiled=True)[0]
+    return compile_launch(launch, 90).metadata.shared
+
+print(json.dumps({
+    "dense 16": shared(16, False, None, True, 3),
+    "paged 16": shared(16, True, None, True, 3),
+    "dense 1": shared(1, False, None, True, 3),
+    "dense 1, 2 stages": shared(1, False, None, True, 2),
+    "listed window 1": shared(1, False, window, False, 3),
+    "paged listed 1": shared(1, True, None, False, 3),
+}))
+"""
+
+
+def test_listed_and_paged_walks_pipeline_as_deep_as_the_dense_walk(tmp_path):
+    """Note [Block ids a tile ahead]: compiled for sm_90, the walks through block lists and page
+    tables hold as many K/V tiles in shared memory as the dense walk at the same stages (before,
+    the pipeliner kept one tile in flight whatever the stages). Its own process: a real compile
+    cannot share one with Triton's interpreter."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run(
+        [sys.executable, "-c", _PIPELINE_CHILD],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert got["paged 16"] >= got["dense 16"], got
+    assert got["dense 1"] > got["dense 1, 2 stages"], got
+    assert got["listed window 1"] >= got["dense 1"], got
+    assert got["paged listed 1"] >= got["dense 1"], got

@@ -344,13 +344,14 @@ def _prepare(
 # A decode step with no mask, or with a mask that keeps every tile of the call (full union lists
 # from block 0 on, nothing partial), can walk the KV blocks below kv_len without reading its lists
 # (`DENSE`): the lists are full and ascending, so it visits the same tiles in the same order and
-# gives the same bits. What that changes is Triton's software pipeline. In the listed walk each
-# tile's address depends on a block id loaded in the loop, and the pipeliner keeps one K/V tile in
-# flight ahead of the one in use whatever `num_stages` says: compiled for sm_90 (B=8, Hq=32, Hkv=8,
-# D=128, bf16), the kernel holds 38.9 KB of shared memory at 2, 3 and 4 stages for Lq=1 and
+# gives the same bits. What that changed was Triton's software pipeline. In the listed walk each
+# tile's address depended on a block id loaded in the loop, and the pipeliner kept one K/V tile in
+# flight ahead of the one in use whatever `num_stages` said: compiled for sm_90 (B=8, Hq=32, Hkv=8,
+# D=128, bf16), the kernel held 38.9 KB of shared memory at 2, 3 and 4 stages for Lq=1 and
 # 81.9 KB for Lq=16. The dense walk honours the stages: 38.9 / 71.7 / 104.4 KB and 81.9 / 114.7 /
-# 147.5 KB. On the H200 (`python bench/decode_host.py --lq 1,4,16 --lkv 4096,32768,131072
-# --variants '[{"decode_dense": false}, {}]'`, docs/performance.md) that made the 64-row tiles of
+# 147.5 KB. (The listed and paged walks now load their ids a tile ahead and honour the stages as
+# well: Note [Block ids a tile ahead].) On the H200 (`python bench/decode_host.py --lq 1,4,16
+# --lkv 4096,32768,131072 --variants '[{"decode_dense": false}, {}]'`, docs/performance.md) that made the 64-row tiles of
 # Lq=16 faster (32k keys: 284 -> 267 us, 128k: 1076 -> 994), where two programs of 114.7 KB still
 # share an SM, but the 16-row tiles of Lq=1 and 4 slower (32k: 259 -> 301 us, 128k: 966 -> 1146):
 # their 8 splits are sized for four programs per SM, and at 71.7 KB only three fit, so a second
@@ -360,11 +361,26 @@ def _prepare(
 # tied it at 32k and 128k (256.2 / 257.8 and 967.1 / 966.4 us); fp8 tiles the same way took 302 us
 # at 64k keys against 309-312, and tied at 128k. So "auto" (the default of
 # kernel_options["decode_dense"]) takes the dense walk on sm_90 and later everywhere but for row
-# tiles under 64 rows of a paged cache (their dense walk still loads a page id per tile, and was
-# not measured), and tiles under 64 rows whose walk is dense take that launch shape (Note [Decode
-# configs]). Older GPUs keep the listed walk: its pipeline holds 38.9 KB (Lq=1) and 81.9 KB
-# (Lq=16) whatever the stages, while the dense walk's 3 stages of 64-row tiles (114.7 KB) exceed
-# the ~100 KB of shared memory of sm_86 and sm_89.
+# tiles under 64 rows of a paged cache (whose listed walk measured as fast: Note [Decode
+# configs]), and tiles under 64 rows whose walk is dense take that launch shape. Older GPUs keep
+# the listed walk 2 stages deep, 38.9 KB (Lq=1) and 81.9 KB (Lq=16) as before: 3 stages of 64-row
+# tiles (114.7 KB) exceed the ~100 KB of shared memory of sm_86 and sm_89.
+
+
+# Note [Block ids a tile ahead]
+# A walk through block lists, or through a page table, finds each tile's address from ids it loads
+# in the loop: the block id from the list, then the page id from the table. Written the plain way
+# (load the ids, then the tile), Triton's pipeliner (3.6 and 3.9 alike) turns the id loads into
+# asynchronous copies of their own, one buffer deep, and waits for every copy in flight at the top
+# of each step: one K/V tile in flight whatever `num_stages` says (compiled for sm_90, B=8, Hq=32,
+# Hkv=8, D=128, bf16, 64-key pages: 81.9 KB at 3 and 4 stages for Lq=16, `cp.async.wait_group 0`).
+# So `flexfa_decode_inner` loads the next tile's block id and page id at the end of each step and
+# carries them into the next: the loads are plain, their values are first used a step later, and
+# the pipeliner schedules the K/V copies as on the dense walk (114.7 KB at 3 stages, the wait
+# leaving two groups in flight). The same tiles in the same order, so the same bits. On an H200
+# paged decode at Lq=16 went from 288 to 264-265 us at 32k keys and from 1097 to 976-983 at 128k
+# (contiguous: 261-265 and 970-974), within 1% of the contiguous cache at every Lq of 1-16 at 32k
+# and 128k keys, with the launch shapes of Note [Decode configs] (docs/performance.md).
 def prepared(
     spec: AttentionSpec,
     config_override: DecodeConfig | None = None,

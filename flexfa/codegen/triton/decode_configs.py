@@ -62,11 +62,11 @@ def default_config(
     rows = spec.group_size * spec.len_q
     block_m = min(_next_pow2(rows), 128 if capability is not None else 32)
     sparse_kv = spec.block_mask.block_size.kv
+    one_byte = spec.k_dtype.itemsize == spec.v_dtype.itemsize == 1
     if capability is None:
         block_n, warps, stages = 16, 4, 1
     else:
         # Note [Decode configs]: fp8 K/V take tiles of twice the keys, the same bytes per tile.
-        one_byte = spec.k_dtype.itemsize == spec.v_dtype.itemsize == 1
         page = spec.paged.page_size if spec.paged is not None else 128
         block_n = 128 if one_byte and page % 128 == 0 else 64
         warps = 4 if block_m <= 64 else 8
@@ -84,17 +84,19 @@ def default_config(
         # Note [Dense decode]: measured on sm_90, whose shared memory holds its deeper pipeline;
         # row tiles under 64 rows of a paged cache keep the listed walk.
         dense = capability is None or (hopper and (block_m >= 64 or spec.paged is None))
-    # Note [Decode configs]: on sm_90 and later, row tiles under 64 rows that walk dense (no page
-    # table) run 4 stages deep, two programs per SM, as the larger tiles do.
-    small_dense = hopper and block_m < 64 and dense and dense_lists and spec.paged is None
-    if small_dense:
-        stages = 4
+    # Note [Decode configs]: on sm_90 and later, row tiles under 64 rows run 4 stages deep where
+    # they walk dense (no page table) or hold fp8, else 3; two programs per SM, as the larger
+    # tiles. Older GPUs run 2 stages (Note [Block ids a tile ahead] in decode.py).
+    if hopper and block_m < 64:
+        stages = 4 if (dense and dense_lists and spec.paged is None) or one_byte else 3
+    elif capability is not None and not hopper:
+        stages = 2
     splits = opts.get("decode_splits")
     if splits is None:
-        # Note [Decode configs]: a few programs per SM (two for tiles of 64 rows or more, and on
-        # the dense walk), but each split keeps a few KV tiles.
+        # Note [Decode configs]: a few programs per SM (two on sm_90 and later, and for tiles of
+        # 64 rows or more), but each split keeps a few KV tiles.
         programs = spec.batch * spec.heads_kv * tiles
-        per_sm = 2 if block_m >= 64 or small_dense else 4
+        per_sm = 2 if block_m >= 64 or hopper else 4
         want = max(1, round(per_sm * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
@@ -136,10 +138,22 @@ def default_config(
 # 8 stages were no better than 5; 64-key fp8 tiles took 720 us at 128k with 5 stages against 974
 # with 3), while a bfloat16 cache lost 11% with 5 (1093 against 984 us). So sm90 and later run fp8
 # tiles with 5 stages (5 x 32 KB of K and V in flight fits Hopper's shared memory).
-# All of the above was measured on the listed walk, whose pipeline keeps one tile in flight
-# whatever the stages (Note [Dense decode] in decode.py). Row tiles under 64 rows that walk dense
-# (every tile full, no page table) run 4 stages deep, 104.4 KB for a 16-bit cache and 106.5 KB for
-# fp8 on sm_90, so two programs share an SM, and their splits aim at two programs per SM like the
-# 64-row tiles: 4 splits at B * Hkv = 64 on an H200, which measured 0-4% faster than the listed
-# walk's 8 (16-bit, 4k-128k keys) and 3% faster for fp8 at 64k keys, a tie at 128k; 8 splits with
-# 3 stages made a second wave (16-26% slower), as did fp8's 5 stages with any split count.
+# All of the above was measured when the listed walk's pipeline kept one tile in flight whatever
+# the stages (Note [Dense decode] in decode.py). Row tiles under 64 rows that walk dense (every
+# tile full, no page table) run 4 stages deep, 104.4 KB for a 16-bit cache and 106.5 KB for fp8 on
+# sm_90, so two programs share an SM, and their splits aim at two programs per SM like the 64-row
+# tiles: 4 splits at B * Hkv = 64 on an H200, which measured 0-4% faster than the listed walk's 8
+# (16-bit, 4k-128k keys) and 3% faster for fp8 at 64k keys, a tie at 128k; 8 splits with 3 stages
+# made a second wave (16-26% slower), as did fp8's 5 stages with any split count.
+# Since the walks through block lists and page tables load their ids a tile ahead (Note [Block
+# ids a tile ahead] in decode.py) their pipelines honour the stages too, and on sm_90 they take the
+# same launch shape: two programs per SM. On an H200 (`python bench/decode.py --lkv
+# 4096,32768,131072 --lq 1,4,16 --systems sdpa,flexfa,paged --masked --variants ...`, 64-key pages
+# in random order, Lq=1 and 4) the paged listed walk with 3 stages took 257-259 us at 32k keys and
+# 966-974 at 128k with 4 splits, 308-321 and 1156-1226 with 8 (a second wave at 71.7 KB), 259-264
+# and 981-992 with 4 stages and 4 splits; the masked steps of Lq=1 (ALiBi + sliding window 4096,
+# and a document mask) took 50.2-50.5 and 40.9-41.4 us in CUDA graphs with 4 splits against
+# 55.4 and 45.4-45.7 with 8. fp8 tiles on those walks run 4 stages (106.5 KB), as on the dense
+# walk: paged fp8 took 390-391 us at 64k keys and 758-763 at 128k against 399-404 and 774-781
+# before. GPUs before sm_90 run 2 stages: the depth the listed walk had, and shared memory that
+# holds 64-row tiles on sm_86 and sm_89.
