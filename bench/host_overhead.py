@@ -84,8 +84,14 @@ def decode_steps():
     qd = torch.randn(2, 8, 1, 64, dtype=torch.float16)
     kd, vd = (torch.randn(2, 2, 512, 64, dtype=torch.float16) for _ in range(2))
     window = flexfa.create_block_mask(flexfa.masks.sliding_window(128), 2, 8, 1, 512)
+    pages = [torch.randn(16, 2, 64, 64, dtype=torch.float16) for _ in range(2)]
+    table = torch.randperm(16, dtype=torch.int32).view(2, 8)
+    lens = torch.tensor([512, 300], dtype=torch.int32)
     calls = {
         "plain": lambda: flexfa.attention(qd, kd, vd, enable_gqa=True, backend="triton"),
+        "paged": lambda: flexfa.attention(
+            qd, *pages, enable_gqa=True, page_table=table, kv_lens=lens, backend="triton"
+        ),
         "ALiBi + window": lambda: flexfa.attention(
             qd, kd, vd, flexfa.mods.alibi, window, enable_gqa=True, backend="triton"
         ),

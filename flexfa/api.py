@@ -14,7 +14,7 @@ from flexfa.blockmask.block_mask import BlockMask
 from flexfa.compiled import compiled_attention
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.mods import bind_heads
-from flexfa.paged import validate_paged
+from flexfa.paged import ensure_checked, validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 from flexfa.varlen import PackedSequences, packed_mods, packing, sequence_lengths
 
@@ -145,10 +145,12 @@ def attention(
     if packed is None and _memo_eligible(q, k, v, block_mask, page_table, kv_lens):
         traced = _trace_score_mod(score_mod, q.shape[1], q.device)
         key = _memo_key(q, k, v, traced, block_mask, scale, enable_gqa, kernel_options,
-                        deterministic, backend, want_max)  # fmt: skip
+                        deterministic, backend, want_max, page_table, kv_lens)  # fmt: skip
     found = _memo.get(key) if key is not None else None
     if found is not None:
         spec, impl = found[0], found[1]
+        if spec.paged is not None:  # the same tables, whose values may have changed in place
+            ensure_checked(spec.paged)
     else:
         spec = build_spec(
             q,
@@ -191,12 +193,18 @@ def attention(
 # the key stay theirs), and a repeated call skips the argument checks, the block-mask binding and
 # the backend choice, which would give the same answers: the checks depend on nothing else. Calls
 # with gradients enabled (their spec follows requires_grad flags that may change between calls),
-# paged calls (their page tables are checked at every call), packed calls (their spec follows the
-# values of the offsets, which may change in place: Note [Packed calls on FA4's varlen path] in
-# flexfa/codegen/cute/backend.py) and block masks given as mask_mods or torch BlockMasks take the
-# full path. A BlockMask changed in place is as visible as it is to the
-# caches keyed by it already (Note [Decode host time]). The memo keeps the last _MEMO_SIZE calls
-# (a model's decode step has a handful of distinct calls), so it holds at most that many BlockMasks
+# packed calls (their spec follows the values of the offsets, which may change in place: Note
+# [Packed calls on FA4's varlen path] in flexfa/codegen/cute/backend.py) and block masks given as
+# mask_mods or torch BlockMasks take the full path. A paged call's key holds its page table and
+# lengths by identity (with their shapes, strides, dtypes and devices): a serving loop passes the
+# same two tensors at every step, updated in place, and the spec holds them, so a repeated call
+# finds them there; their values are checked again whenever they changed (`ensure_checked`, Note
+# [Checking page tables] in flexfa/paged.py), since the spec and the kernels read nothing else of
+# them on the host. On the 2-core CPU a paged decode step's host work went from 48.6-49.5 to
+# 20.5-21.0 us (`python bench/host_overhead.py`; a step from contiguous K/V: 17.4-18.7). A
+# BlockMask changed in place is as visible as it is to the caches keyed by it already (Note
+# [Decode host time]). The memo keeps the last _MEMO_SIZE calls (a model's decode step has a
+# handful of distinct calls), so it holds at most that many BlockMasks, page tables and lengths
 # alive beyond their callers' use, e.g. the per-step slices of a decoding loop.
 _memo: dict[tuple, tuple] = {}
 _MEMO_SIZE = 16
@@ -232,8 +240,9 @@ def _needs_grad(q, k, v) -> bool:
 def _memo_eligible(q, k, v, block_mask, page_table, kv_lens) -> bool:
     return (
         not torch.is_grad_enabled()
-        and page_table is None
-        and kv_lens is None
+        and (page_table is None) == (kv_lens is None)
+        and (page_table is None or isinstance(page_table, torch.Tensor))
+        and (kv_lens is None or isinstance(kv_lens, torch.Tensor))
         and (block_mask is None or type(block_mask) is BlockMask)
         and isinstance(q, torch.Tensor)
         and isinstance(k, torch.Tensor)
@@ -243,16 +252,35 @@ def _memo_eligible(q, k, v, block_mask, page_table, kv_lens) -> bool:
 
 
 def _memo_key(
-    q, k, v, traced, block_mask, scale, enable_gqa, kernel_options, deterministic, backend, want_max
+    q,
+    k,
+    v,
+    traced,
+    block_mask,
+    scale,
+    enable_gqa,
+    kernel_options,
+    deterministic,
+    backend,
+    want_max,
+    page_table=None,
+    kv_lens=None,
 ) -> tuple | None:
     """The key of a repeated inference call (Note [Repeated inference calls]); None when an
     argument cannot be part of one."""
+    paged = None
+    if page_table is not None:
+        paged = (
+            id(page_table), page_table.shape, page_table.stride(), page_table.dtype,
+            page_table.device, id(kv_lens), kv_lens.shape, kv_lens.stride(), kv_lens.dtype,
+            kv_lens.device,
+        )  # fmt: skip
     key = (
         q.shape, q.stride(), q.dtype, q.device,
         k.shape, k.stride(), k.dtype, k.device,
         v.shape, v.stride(), v.dtype, v.device,
         id(traced), id(block_mask), scale, enable_gqa, deterministic, backend, want_max,
-        tuple(sorted(kernel_options.items())) if kernel_options else None,
+        tuple(sorted(kernel_options.items())) if kernel_options else None, paged,
     )  # fmt: skip
     try:
         hash(key)

@@ -161,10 +161,16 @@ def validate_paged(
                 f"with enable_gqa=True, q's heads ({Hq}) must be a multiple of the pools' ({Hkv})"
             )
     paged = PagedKV(page_table, kv_lens, page_size, num_pages)
-    if not _is_checked(page_table, kv_lens, num_pages, page_size):
-        _check_values(paged)
-        mark_checked(page_table, kv_lens, num_pages, page_size)
+    ensure_checked(paged)
     return (B, Hq, Hkv, Lq, paged.capacity, E, Ev), paged
+
+
+def ensure_checked(paged: PagedKV) -> None:
+    """Check the values of a call's page table and lengths unless this state was checked (Note
+    [Checking page tables]); raises ValueError naming the bad entry."""
+    if not _is_checked(paged.page_table, paged.kv_lens, paged.num_pages, paged.page_size):
+        _check_values(paged)
+        mark_checked(paged.page_table, paged.kv_lens, paged.num_pages, paged.page_size)
 
 
 def _check_values(paged: PagedKV) -> None:

@@ -65,7 +65,7 @@ def test_what_changes_the_call_builds_it_again(spec_builds):
     assert len(spec_builds) == 6
 
 
-def test_calls_with_gradients_paged_or_mask_mods_take_the_full_path(spec_builds):
+def test_calls_with_gradients_or_mask_mods_take_the_full_path(spec_builds):
     q, k, v = (torch.randn(1, 2, 5, 16, requires_grad=True) for _ in range(3))
     for _ in range(2):
         flexfa.attention(q, k, v).sum().backward()
@@ -103,3 +103,43 @@ def test_the_memo_keeps_only_the_last_calls(spec_builds):
     gc.collect()
     assert len(api._memo) == api._MEMO_SIZE
     assert all(r() is None for r in refs[:4]), "the oldest BlockMasks are released"
+
+
+def _paged_reference(q, pages_k, pages_v, table, lens):
+    """Attention of q over each sequence's keys, gathered from the pools (float64)."""
+    page = pages_k.shape[2]
+    outs = []
+    for b in range(q.shape[0]):
+        n = int(lens[b])
+        ids = table[b, : -(-n // page)].long()
+        k = pages_k[ids].permute(1, 0, 2, 3).reshape(pages_k.shape[1], -1, pages_k.shape[3])[:, :n]
+        v = pages_v[ids].permute(1, 0, 2, 3).reshape(pages_v.shape[1], -1, pages_v.shape[3])[:, :n]
+        ref, _ = reference_attention(q[b : b + 1].double(), k[None].double(), v[None].double())
+        outs.append(ref)
+    return torch.cat(outs)
+
+
+def test_repeated_paged_calls_keep_their_spec_and_see_their_tables_change(spec_builds):
+    """A serving loop's paged calls (the same page table and lengths, updated in place) find
+    their spec; each call reads the tables' current values, and a table made invalid in place
+    still raises (Note [Checking page tables])."""
+    g = torch.Generator().manual_seed(0)
+    pages_k, pages_v = (torch.randn(12, 2, 4, 16, generator=g) for _ in range(2))
+    table = torch.randperm(12, generator=g).to(torch.int32).view(2, 6)
+    lens = torch.tensor([9, 14], dtype=torch.int32)
+    q = torch.randn(2, 2, 1, 16, generator=g)
+    with torch.no_grad():
+        for _ in range(3):
+            out = flexfa.attention(q, pages_k, pages_v, page_table=table, kv_lens=lens)
+            ref = _paged_reference(q, pages_k, pages_v, table, lens)
+            torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+            lens += 1  # the next step's keys, in place
+            table[0] = table[0].flip(0)  # pages remapped in place
+        assert len(spec_builds) == 1
+        table[1, 0] = 99  # not a page of the pools
+        with pytest.raises(ValueError, match=r"page_table\[1, 0\] = 99"):
+            flexfa.attention(q, pages_k, pages_v, page_table=table, kv_lens=lens)
+        other = table.clone()
+        other[1, 0] = 0
+        flexfa.attention(q, pages_k, pages_v, page_table=other, kv_lens=lens)  # other tables
+    assert len(spec_builds) == 2
