@@ -116,13 +116,17 @@ def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) ->
 #     H=16, D=128, bf16): prefix-LM 2048 (2% partial at N=8192) ran 1.36x / 1.45x faster on fa4
 #     than on triton forward / forward+backward; document-causal masks (39-46% partial) gave
 #     0.64-0.91x / 0.95-1.05x in one run and 0.39-1.16x / 1.03-1.27x in another (FA4's sm90
-#     forward evaluates the mask_mod one element at a time on partial tiles), so they stay on
-#     triton until a steadier measurement says otherwise;
+#     forward evaluates the mask_mod one element at a time on partial tiles), so calls with a
+#     backward and such masks stay on triton. Calls without a backward take fa4 up to
+#     `_AUTO_MAX_PARTIAL_FORWARD`: with FA4's forward launched directly (Note [Direct FA4
+#     launches]) the same script gave document-causal forwards 1.17-1.21x triton's in two runs
+#     (N = 2048 and 8192; forward+backward 0.81-1.02x);
 #   - and whatever `supports` requires.
 # `explain_backend` says for each backend whether it can run a call; `backend="fa4"` runs it
 # wherever `supports` allows.
 _AUTO_MIN_LEN_Q = 128
 _AUTO_MAX_PARTIAL = 0.25
+_AUTO_MAX_PARTIAL_FORWARD = 0.5
 
 
 class Fa4Backend(Backend):
@@ -147,9 +151,8 @@ class Fa4Backend(Backend):
         packed = backend.packed_lowering(spec)
         if packed is not None and packed.native:
             return True
-        if spec.block_mask.partial_fraction <= _AUTO_MAX_PARTIAL and backend.uses_block_sparse(
-            spec
-        ):
+        most = _AUTO_MAX_PARTIAL if spec.needs_grad else _AUTO_MAX_PARTIAL_FORWARD
+        if spec.block_mask.partial_fraction <= most and backend.uses_block_sparse(spec):
             return True
         return backend.mask_lowering(spec.mask, spec.len_q, spec.len_kv).native
 

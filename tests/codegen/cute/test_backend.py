@@ -68,6 +68,12 @@ def test_auto_takes_fa4_only_where_it_measured_fastest(monkeypatch):
     assert prefix.block_mask.partial_fraction < 0.25 and prefers(prefix)
     declined["a document mask, mostly partial tiles"] = _cuda_spec(len_q=1024, mask=document)
     assert declined["a document mask, mostly partial tiles"].block_mask.partial_fraction > 0.25
+    # Without a backward, up to half the tiles partial: documents of 512 tokens, 40% partial.
+    halves = torch.arange(1024).div(512, rounding_mode="floor").view(1, -1)
+    halves = flexfa.masks.and_masks(flexfa.masks.causal, flexfa.masks.document(halves))
+    assert prefers(_cuda_spec(len_q=1024, mask=halves, grad=False))
+    assert not prefers(_cuda_spec(len_q=1024, mask=halves))
+    assert not prefers(_cuda_spec(len_q=1024, mask=document, grad=False))  # all tiles partial
     declined["a mask_mod on every tile (head dim 256)"] = _cuda_spec(
         len_q=1024, head_dim=256, mask=flexfa.masks.prefix_lm(256)
     )
