@@ -107,8 +107,14 @@ def attention(
     # Note [Triton's start-up]; not while torch.compile traces the call: Dynamo would have to trace
     # the compile pool (a graph break, an error under fullgraph=True). `is_compiling()` comes first
     # so that Dynamo never reads `_triton_level`: a guard on it would recompile the graph once an
-    # eager call outside it raised the level.
-    if not torch.compiler.is_compiling() and _triton_level < 2 and _on_cuda(q):
+    # eager call outside it raised the level. Only calls that will run Triton's kernels start it:
+    # here those that ask for them, below those that `auto` sends there.
+    if (
+        not torch.compiler.is_compiling()
+        and _triton_level < 2
+        and backend == "triton"
+        and _on_cuda(q)
+    ):
         _start_triton(q, k, v)
     packed = None
     if cu_seqlens_q is not None or cu_seqlens_kv is not None:
@@ -174,6 +180,8 @@ def attention(
             if len(_memo) >= _MEMO_SIZE:
                 _memo.pop(next(iter(_memo)))
             _memo[key] = (spec, impl, traced, block_mask)  # the objects whose ids are in the key
+    if _triton_level < 2 and impl.name == "triton" and _on_cuda(q):
+        _start_triton(q, k, v)  # Note [Triton's start-up]: not for fa4's calls
     out, lse, *rest = impl.run(spec, q, k, v)
     if spec.kv_fp8:
         out, lse = _refuse_backward(spec, q, k, v, out, lse)

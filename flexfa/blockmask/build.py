@@ -288,10 +288,6 @@ def create_block_mask(
     heads = H if (H is not None and "h" in traced.variables) else 1
     grid = TileGrid(batch, heads, Q_LEN, KV_LEN, block_size, device)
     use_fused = _use_fused(device)
-    if use_fused:
-        from flexfa.codegen.triton.launch import start_runtime
-
-        start_runtime(with_workers=True)  # Note [Triton's start-up]
     own = getattr(traced.fn, "__flexfa_block_mask__", None)
     if own is not None:  # Note [Block mask builders]
         bm = own(traced, grid)

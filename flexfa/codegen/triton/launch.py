@@ -87,8 +87,9 @@ def run_logged(fast_key: tuple, label: str, run) -> None:
 # kernel's first launch, about 0.3 s apiece with a cold cache on the H200, which was left on the
 # critical path otherwise. A kernel whose result the caller can get another way (the block-mask
 # kernel of Note [Fused analysis], whose lists the general path also builds) is not waited for
-# at all: `compiling_in_background` starts its compile and the caller takes the other way until it
-# is ready, so a cold first call no longer waits seconds for that compile before the forward's.
+# at all: `compiling_in_background` starts its compile (from the second call that asks: Note
+# [Background compiles from the second call]) and the caller takes the other way until it is
+# ready, so a cold first call no longer waits seconds for that compile before the forward's.
 # The pool's threads have worker processes do the compiling (Note [Compile workers] in
 # workers.py), so that they do not slow the compile the caller waits for by holding the GIL.
 # FLEXFA_CONCURRENT_COMPILE=0 turns all of this off.
@@ -188,11 +189,15 @@ def _compile_and_load(label: str, device: int, kernel: Any, warm: Callable[[], A
 # the H200) and creating its CUDA driver, which builds Triton's C helper module with the host
 # compiler when Triton's cache is cold (0.38 s). In a cold first call the main thread met both
 # inside the forward's compile, on the call's critical path (docs/performance.md, "Where a cold
-# first call goes"). `start_runtime`, called as a call on CUDA (or a block mask built with the
-# fused kernels) begins, does them on the compile pool, and starts the compile workers when the
-# call will have background compiles, while the call traces its mods and builds its block mask.
+# first call goes"). `start_runtime`, called as a call on CUDA (or a background compile, Note
+# [Background compiles from the second call]) begins, does them on the compile pool, and starts
+# the compile workers when the call will have background compiles, while the call traces its mods
+# and builds its block mask.
 # `flexfa.attention` asks once per level (start-up, then workers for the first call that wants
-# gradients) and later calls stop at one module-level test; torch.compile never traces it.
+# gradients) and later calls stop at one module-level test; torch.compile never traces it. Calls
+# that run FA4's kernels do not ask: they use no Triton kernel, and the start-up and the worker
+# processes ran on the pool during their first call's FA4 compile (Note [Background compiles from
+# the second call]).
 # Every flexfa path into Triton (a first launch, a compile on the pool, a direct launch's first
 # call) waits for it first with `runtime_ready` (free once it is done), so Triton's driver, which
 # Triton creates lazily and without a lock, is created by that one thread: two threads creating
@@ -242,6 +247,22 @@ def runtime_ready() -> None:
 
 
 _background: dict[tuple, concurrent.futures.Future] = {}
+_asked_once: set[tuple] = set()  # cold kernels asked for once (Note [Background compiles ...])
+
+
+# Note [Background compiles from the second call]
+# `compiling_in_background` used to start a cold block-list kernel's compile at the first call
+# that asked for it. Most BlockMasks are built once (a training run's causal or document mask), and
+# then that compile, with the compile workers it started, was work nobody used, on the pool while
+# the first attention call compiled its own kernels. So the first call only notes the kernel (the
+# general path answers it), and the second, the sign of a mask built per step (packed batches,
+# masks over per-batch tensors), starts the compile, with Triton's start-up and the compile
+# workers (block masks no longer start them earlier). Per-step masks take the kernel one build
+# later; one-off masks never compile it. What it gives a cold fa4 call could not be measured: on
+# the H200 one run gave 3.65 s (prefix-LM) and 2.86 s (ALiBi + causal) with that work on the pool
+# and 2.61 and 1.94 s for the call once it had finished (it took 1.3 s), but two runs with
+# nothing on the pool gave 2.82 and 4.06 s, and 4.57 and 5.16 s, on another machine: FA4's own
+# compile varies by more than that.
 
 
 def wait_for_background() -> None:
@@ -256,7 +277,8 @@ def compiling_in_background(
     fast_key: tuple, label: str, kernel: Any, warm: Callable[[], Any]
 ) -> bool:
     """For a kernel whose launch can wait, because the caller has another way to the same result:
-    True while the kernel is cold and compiling on the thread pool (started on the first call),
+    True while the kernel is cold (the first call only notes it; the second starts its compile on
+    the thread pool, Note [Background compiles from the second call]) and while it compiles,
     False once it is ready to launch, or when compiles are not concurrent (under TRITON_INTERPRET,
     without CUDA, FLEXFA_CONCURRENT_COMPILE=0), where the launch compiles it. `warm()` compiles
     `kernel` without launching (Note [Concurrent compiles])."""
@@ -264,6 +286,10 @@ def compiling_in_background(
         return False
     future = _background.get(fast_key)
     if future is None:
+        if fast_key not in _asked_once:
+            _asked_once.add(fast_key)
+            return True
+        start_runtime(with_workers=True)  # Note [Triton's start-up]
         device = torch.cuda.current_device()
         _background[fast_key] = _executor().submit(_compile_and_load, label, device, kernel, warm)
         return True

@@ -26,6 +26,7 @@ def concurrent(monkeypatch):
     monkeypatch.setattr(launch_mod.torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch_mod.torch.cuda, "device", lambda index: _NoContext())
     monkeypatch.setattr(launch_mod, "_background", {})
+    monkeypatch.setattr(launch_mod, "_asked_once", set())
     with config.override(log_compiles=False, compile_workers=0):
         yield
 
@@ -38,7 +39,17 @@ class _NoContext:
         return False
 
 
-def test_cold_kernel_compiles_once_then_is_ready(concurrent) -> None:
+@pytest.fixture
+def no_start_up(monkeypatch):
+    """Triton's start-up (Note [Triton's start-up]) left out: its own tests are below."""
+    started = []
+    monkeypatch.setattr(launch_mod, "start_runtime", lambda with_workers: started.append(1))
+    return started
+
+
+def test_cold_kernel_compiles_once_then_is_ready(concurrent, no_start_up) -> None:
+    """Note [Background compiles from the second call]: the first call notes the kernel, the
+    second starts its compile (and Triton's start-up), later ones launch it once it is ready."""
     release = threading.Event()
     compiled = FakeCompiled()
     calls = []
@@ -49,6 +60,8 @@ def test_cold_kernel_compiles_once_then_is_ready(concurrent) -> None:
         return compiled
 
     key = ("kernel", "cuda:0", 16)
+    assert launch_mod.compiling_in_background(key, "demo", None, warm)  # noted only
+    assert key not in launch_mod._background and not calls and not no_start_up
     assert launch_mod.compiling_in_background(key, "demo", None, warm)  # started
     assert launch_mod.compiling_in_background(key, "demo", None, warm)  # still compiling
     release.set()
@@ -70,12 +83,15 @@ def test_a_launched_or_serial_kernel_is_never_deferred(concurrent, monkeypatch) 
     assert not launch_mod.compiling_in_background(key, "demo", None, warm)
 
 
-def test_a_failed_background_compile_leaves_the_launch_to_compile(concurrent, caplog) -> None:
+def test_a_failed_background_compile_leaves_the_launch_to_compile(
+    concurrent, no_start_up, caplog
+) -> None:
     def warm():
         raise RuntimeError("ptxas died")
 
     key = ("kernel", "cuda:0", 64)
-    assert launch_mod.compiling_in_background(key, "demo", None, warm)
+    assert launch_mod.compiling_in_background(key, "demo", None, warm)  # noted only
+    assert launch_mod.compiling_in_background(key, "demo", None, warm)  # started
     future = launch_mod._background[key]
     with pytest.raises(RuntimeError):
         future.result(10)
@@ -168,3 +184,37 @@ def test_calls_ask_for_the_start_up_once_per_level(monkeypatch) -> None:
     with torch.no_grad():
         api._start_triton(y, x, x)
     assert asked == [False, True], asked
+
+
+def test_only_calls_that_run_triton_start_it(monkeypatch) -> None:
+    """Note [Triton's start-up]: a call `auto` sends to fa4 starts nothing on the pool (it would
+    slow FA4's compile); one sent to triton, or asking for it, does."""
+    import torch
+
+    import flexfa
+    import flexfa.api as api
+
+    class Chosen:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def run(self, spec, q, k, v):
+            return torch.zeros_like(q), torch.zeros(q.shape[:3])
+
+    asked = []
+    monkeypatch.setattr(api, "_triton_level", 0)
+    monkeypatch.setattr(api, "_start_triton", lambda q, k, v: asked.append(1))
+    monkeypatch.setattr(api, "_on_cuda", lambda q: True)
+    x = torch.randn(1, 1, 4, 8)
+    for name, backend, starts in (("fa4", "auto", False), ("triton", "auto", True)):
+        asked.clear()
+        api._memo.clear()
+        monkeypatch.setattr(api.backends, "select", lambda backend, spec, n=name: Chosen(n))
+        with torch.no_grad():
+            flexfa.attention(x, x, x, backend=backend)
+        assert bool(asked) == starts, (name, asked)
+    asked.clear()
+    monkeypatch.setattr(api.backends, "select", lambda backend, spec: Chosen("triton"))
+    flexfa.attention(x, x, x, backend="triton")
+    assert asked, "an explicit triton call starts it before building its spec"
+    api._memo.clear()
