@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-import torch._dynamo  # noqa: F401  (the peers' torch.compile imports it first)
+import torch._dynamo  # the peers benchmark's torch.compile imports it first
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
