@@ -295,20 +295,24 @@ def test_the_ops_fake_output_has_the_real_strides():
 
 
 def test_triton_start_up_is_asked_for_eagerly_and_never_traced(monkeypatch):
-    """An eager call on CUDA starts Triton's start-up (Note [Triton's start-up]); under torch.compile
-    the call must not trace it: the compile pool's lock is a graph break, an error with
-    fullgraph=True. The device test is stood in for, so this runs on a CPU."""
+    """An eager triton call on CUDA starts Triton's start-up (Note [Triton's start-up]); under
+    torch.compile the call must not trace it: the compile pool's lock is a graph break, an error
+    with fullgraph=True. The device test is stood in for, so this runs on a CPU."""
     import flexfa.api as api
 
     asked = []
     monkeypatch.setattr(api, "_on_cuda", lambda q: True)
     monkeypatch.setattr(api, "_triton_level", 0)
-    monkeypatch.setattr(
-        api, "_start_triton", lambda q, k, v: asked.append(api._needs_grad(q, k, v))
-    )
+
+    def start(q, k, v):
+        asked.append(api._needs_grad(q, k, v))
+        api._triton_level = 2 if asked[-1] else 1
+
+    monkeypatch.setattr(api, "_start_triton", start)
     q, k, v = (torch.randn(1, 2, 33, 16, requires_grad=True) for _ in range(3))
-    flexfa.attention(q, k, v, block_mask=flexfa.masks.causal)
+    flexfa.attention(q, k, v, block_mask=flexfa.masks.causal, backend="triton")
     assert asked == [True], asked  # gradients wanted: the compile workers too
+    monkeypatch.setattr(api, "_triton_level", 0)
     asked.clear()
     counter = torch._dynamo.testing.CompileCounter()
     f = lambda q, k, v: flexfa.attention(q, k, v, block_mask=flexfa.masks.causal)
