@@ -351,9 +351,10 @@ def _prepare(
 # 81.9 KB for Lq=16. The dense walk honours the stages: 38.9 / 71.7 / 104.4 KB and 81.9 / 114.7 /
 # 147.5 KB. (The listed and paged walks now load their ids a tile ahead and honour the stages as
 # well: Note [Block ids a tile ahead].) On the H200 (`python bench/decode_host.py --lq 1,4,16
-# --lkv 4096,32768,131072 --variants '[{"decode_dense": false}, {}]'`, docs/performance.md) that made the 64-row tiles of
-# Lq=16 faster (32k keys: 284 -> 267 us, 128k: 1076 -> 994), where two programs of 114.7 KB still
-# share an SM, but the 16-row tiles of Lq=1 and 4 slower (32k: 259 -> 301 us, 128k: 966 -> 1146):
+# --lkv 4096,32768,131072 --variants '[{"decode_dense": false}, {}]'`, docs/performance.md)
+# that made the 64-row tiles of Lq=16 faster (32k keys: 284 -> 267 us, 128k: 1076 -> 994), where
+# two programs of 114.7 KB still share an SM, but the 16-row tiles of Lq=1 and 4 slower (32k:
+# 259 -> 301 us, 128k: 966 -> 1146):
 # their 8 splits are sized for four programs per SM, and at 71.7 KB only three fit, so a second
 # wave runs. Measured with stages and splits matched (the eighth decode run in
 # docs/performance.md), the dense walk of 16-row tiles with 4 stages (104.4 KB) and 4 splits (two
