@@ -624,24 +624,9 @@ def test_listed_and_paged_walks_pipeline_as_deep_as_the_dense_walk(tmp_path):
     tables hold as many K/V tiles in shared memory as the dense walk at the same stages (before,
     the pipeliner kept one tile in flight whatever the stages). Its own process: a real compile
     cannot share one with Triton's interpreter."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.child import run_json
 
-    root = Path(__file__).resolve().parents[2]
-    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(root) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run(
-        [sys.executable, "-c", _PIPELINE_CHILD],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
+    got = run_json(_PIPELINE_CHILD, tmp_path)
     assert got["paged 16"] >= got["dense 16"], got
     assert got["dense 1"] > got["dense 1, 2 stages"], got
     assert got["listed window 1"] >= got["dense 1"], got

@@ -11,11 +11,7 @@ backend here and on the GPU in the `gpu` test.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -27,7 +23,6 @@ from tests.e2e.harness import INTERPRETER_TILES
 from tests.tolerance import ThreeWay
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _inputs(B, Hq, Hkv, Lq, Lkv, E, q_dtype, k_dtype, v_dtype, seed=0, device="cpu"):
@@ -252,15 +247,9 @@ _COMPILE_CHILD = textwrap.dedent(
 def test_fp8_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """The forward and decode kernels with bfloat16 q and fp8 K/V compile for sm_90 (in its own
     process: a real compile cannot share one with Triton's interpreter)."""
-    import json
+    from tests.child import run_json
 
-    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run(
-        [sys.executable, "-c", _COMPILE_CHILD], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    kernels = json.loads(res.stdout.strip().splitlines()[-1])
+    kernels = run_json(_COMPILE_CHILD, tmp_path)
     assert set(kernels) == {"decode e4m3fn", "fwd e4m3fn", "decode e5m2", "fwd e5m2"}
     for name, info in kernels.items():
         assert info["sm90"], name
