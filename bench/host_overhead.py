@@ -103,7 +103,7 @@ def decode_steps():
     # kernel, a launch of a known kernel (Note [Decode launches by spec]) launches nothing.
     torch.cuda.current_device = lambda: 0
     launch.DirectLaunch.__call__ = lambda self, grid, args: self._compiled.get(
-        launch._fingerprint(args)
+        launch._fingerprint(args, torch.cuda.current_device())
     )
     launch.DirectLaunch.compiled_for = lambda self, args: "compiled"
     launch.DirectLaunch.call_compiled = lambda self, compiled, grid, args: None

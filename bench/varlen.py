@@ -56,12 +56,29 @@ def causal(b, h, q_idx, kv_idx):
 
 def stub_launches() -> None:
     """Send packed batches down the path a GPU takes (the packing and block-list kernels) with
-    every launch left out: the host work of that path, timed on a machine without a GPU."""
+    every launch left out: the host work of that path, timed on a machine without a GPU. The
+    checks of that path run as on a GPU (whether to use the kernels, the launch's argument
+    fingerprint and specialization); only the compiled kernel's launch does nothing."""
     import flexfa.blockmask.build as build
     import flexfa.codegen.triton.launch as launch
 
-    build._use_fused = lambda device: True
-    launch.DirectLaunch.try_call = lambda self, grid, args: True
+    use_fused = build._use_fused
+    build._use_fused = lambda device: use_fused(torch.device("cuda", 0))
+    torch.cuda.current_device = lambda: 0
+
+    class NoLaunch:  # a compiled kernel whose launch does nothing
+        def __getitem__(self, grid):
+            return lambda *args: None
+
+    try_call = launch.DirectLaunch.try_call
+
+    def stubbed(self, grid, args):
+        if try_call(self, grid, args):
+            return True
+        self._by_specialization[launch._specialization(args, 0)] = NoLaunch()  # "compiled" now
+        return try_call(self, grid, args)
+
+    launch.DirectLaunch.try_call = stubbed
 
 
 def main() -> None:
@@ -114,16 +131,16 @@ def main() -> None:
         batches.append((torch.tensor(offsets, dtype=torch.int32, device=dev), offsets[-1]))
 
     def build_flexfa(new_lengths: bool = False) -> None:
+        # As a packed call makes them: the BlockMask's kernel writes the positions too (Note
+        # [Positions written with the block lists]).
         if new_lengths:  # another batch's offsets, never seen before
             fresh, n = batches.pop(0)
-            pack = packing(fresh, fresh, n, n, q.device)
-            _, mask = packed_mods(None, causal, pack, H)
-            flexfa.create_block_mask(mask, 1, None, n, n, device=dev)
-            return
-        fresh = cu.clone()
-        pack = packing(fresh, fresh, total, total, q.device)
+        else:
+            fresh, n = cu.clone(), total
+        pack = packing(fresh, fresh, n, n, q.device, defer=True)
         _, mask = packed_mods(None, causal, pack, H)
-        flexfa.create_block_mask(mask, 1, None, total, total, device=dev)
+        flexfa.create_block_mask(mask, 1, None, n, n, device=dev)
+        pack.fill()
 
     def build_torch():
         from torch.nn.attention.flex_attention import create_block_mask

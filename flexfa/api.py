@@ -432,10 +432,16 @@ def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
             raise ValueError(
                 f"with cu_seqlens, {name} must be (1, heads, total_len, head_dim), got {shape}"
             )
-    pack = packing(cu_seqlens_q, cu_seqlens_kv, q.shape[2], k.shape[2], q.device)
+    compiling = torch.compiler.is_compiling()
+    Lq, Lkv = q.shape[2], k.shape[2]
+    pack = packing(cu_seqlens_q, cu_seqlens_kv, Lq, Lkv, q.device, defer=not compiling)
     packed_score, packed_mask = packed_mods(score_mod, block_mask, pack, q.shape[1])
-    if torch.compiler.is_compiling():
+    if compiling:
         return packed_score, packed_mask, None
+    # The BlockMask first: its kernel writes the positions with its lists, then nothing is left
+    # unwritten (Note [Positions written with the block lists] in flexfa/varlen.py).
+    packed_mask = resolve_block_mask(packed_mask, 1, q.shape[1], Lq, Lkv, q.device)
+    pack.fill()
     lens_q, lens_kv = sequence_lengths(pack, cu_seqlens_q, cu_seqlens_kv)
     sequences = PackedSequences(
         cu_seqlens_q,

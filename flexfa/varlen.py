@@ -48,6 +48,19 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # use compiles it in the background while the torch operations answer (Note [Concurrent
 # compiles]). With the host copy of the offsets (one synchronization) and the packed BlockMask
 # (one launch), a new batch costs about three device operations before its attention kernels.
+#
+# Note [Positions written with the block lists]
+# A packed call builds the BlockMask of its packed mask right away, and on a GPU that is one launch
+# of the packed block-list kernel (Note [Packed block masks in one kernel]). That kernel finds each
+# tile's sequences by the same binary search in the offsets as the positions kernel, so it can
+# write the positions too, in programs after those of its lists: one launch per new batch instead
+# of two (on the H200's host a launch through Triton's launcher, with its argument checks, was
+# about a fifth of a packed BlockMask's host time). So `packing(..., defer=True)` allocates
+# seq_* and pos_* without writing them (`Packing.unwritten`), and its caller, `_packed` in
+# flexfa/api.py, builds the BlockMask next and then calls `Packing.fill()`, which writes them if
+# nothing did. Every other path writes them before they can be read: the builder hook fills them
+# when its kernel did not run (the torch builder and the general path read them), `packing()`
+# without `defer` fills a cached packing it returns, and on the CPU nothing is deferred.
 """
 
 from __future__ import annotations
@@ -62,6 +75,7 @@ from typing import Any
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
+from flexfa.frontend.cache import traces
 from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
 
@@ -79,6 +93,11 @@ class Packing:
     cu_kv: torch.Tensor
     offsets_q: tuple[int, ...]
     offsets_kv: tuple[int, ...]
+    lengths_q: tuple[int, ...]  # of the sequences, from offsets_q
+    lengths_kv: tuple[int, ...]
+    # [True] while seq_* and pos_* are allocated but not written yet (Note [Positions written
+    # with the block lists]); `fill` writes them.
+    unwritten: list[bool] = dataclasses.field(default_factory=lambda: [False], repr=False)
 
     @property
     def num_seqs(self) -> int:
@@ -88,33 +107,37 @@ class Packing:
     def device(self) -> torch.device:
         return self.seq_q.device
 
-    @functools.cached_property
-    def lengths_q(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.offsets_q, self.offsets_q[1:]))
+    @property
+    def kv_own_positions(self) -> bool:
+        """Whether seq_kv and pos_kv are tensors of their own (else views of seq_q and pos_q)."""
+        return self.offsets_kv != self.offsets_q
 
-    @functools.cached_property
-    def lengths_kv(self) -> tuple[int, ...]:
-        return tuple(b - a for a, b in zip(self.offsets_kv, self.offsets_kv[1:]))
+    def fill(self) -> None:
+        """Write seq_* and pos_* if they are not written yet."""
+        if self.unwritten[0]:
+            _write_positions(self.cu_q, self.seq_q, self.pos_q, self.offsets_q[-1])
+            if self.kv_own_positions:
+                _write_positions(self.cu_kv, self.seq_kv, self.pos_kv, self.offsets_kv[-1])
+            self.unwritten[0] = False
 
 
 _MAX_CACHED = 32
 _packings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
 
 
-def _positions(cu: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(seq, pos) of every token, int32, without synchronizing (`total` is known): one kernel
-    where the fused block-mask kernels run (Note [Packed positions in one kernel])."""
+def _write_positions(cu: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, total: int) -> None:
+    """Write the sequence and position of every token, int32, without synchronizing (`total` is
+    known): one kernel where the fused block-mask kernels run (Note [Packed positions in one
+    kernel])."""
     from flexfa.blockmask.build import _use_fused
 
     if _use_fused(cu.device):
         from flexfa.codegen.triton import packing as kernels
 
-        found = kernels.positions(cu, total)
-        if found is not None:
-            return found
-    seq = torch.repeat_interleave(cu[1:] - cu[:-1], output_size=total)
-    pos = torch.arange(total, device=cu.device, dtype=torch.int32) - cu[seq]
-    return seq, pos
+        if kernels.positions(cu, seq, pos, total):
+            return
+    seq.copy_(torch.repeat_interleave(cu[1:] - cu[:-1], output_size=total))
+    torch.sub(torch.arange(total, device=cu.device, dtype=torch.int32), cu[seq], out=pos)
 
 
 def _check(name: str, cu: object, total: int, device: torch.device) -> torch.Tensor:
@@ -130,20 +153,34 @@ def _check(name: str, cu: object, total: int, device: torch.device) -> torch.Ten
     return cu
 
 
-def _check_values(name: str, offsets: list[int], total: int) -> None:
+def _check_values(name: str, offsets: list[int], total: int) -> tuple[int, ...]:
+    """The sequence lengths of valid `offsets`."""
     first, last = offsets[0], offsets[-1]
     if first != 0 or last != total:
         raise ValueError(
             f"{name} must start at 0 and end at the packed length {total}, got {first} and {last}"
         )
-    if not all(map(int.__le__, offsets, offsets[1:])):
+    lengths = tuple(map(int.__sub__, offsets[1:], offsets))
+    if min(lengths) < 0:
         raise ValueError(f"{name} must be non-decreasing (sequence lengths are >= 0)")
+    return lengths
 
 
 def packing(
-    cu_seqlens_q: object, cu_seqlens_kv: object, total_q: int, total_kv: int, device: torch.device
+    cu_seqlens_q: object,
+    cu_seqlens_kv: object,
+    total_q: int,
+    total_kv: int,
+    device: torch.device,
+    *,
+    defer: bool = False,
 ) -> Packing:
-    """The validated `Packing` of these offsets (cached per tensor state, Note [Packed ...])."""
+    """The validated `Packing` of these offsets (cached per tensor state, Note [Packed ...]).
+
+    With `defer`, its positions may be left unwritten where the packed block-list kernel writes
+    them with its lists: the caller builds the BlockMask of its packed mask, then calls
+    `Packing.fill()`, before anything else reads them (Note [Positions written with the block
+    lists])."""
     cu_q = _check("cu_seqlens_q", cu_seqlens_q, total_q, device)
     cu_kv = _check("cu_seqlens_kv", cu_seqlens_kv, total_kv, device)
     if cu_q.numel() != cu_kv.numel():
@@ -155,6 +192,8 @@ def packing(
     hit = _packings.get(key)
     if hit is not None and hit[0]() is cu_q and hit[1]() is cu_kv:
         _packings.move_to_end(key)
+        if not defer:
+            hit[2].fill()
         return hit[2]
     # One copy to the host for both offsets (Note [Packed batches as mods]).
     if cu_kv is cu_q:
@@ -162,19 +201,33 @@ def packing(
     else:
         both = torch.cat([cu_q, cu_kv]).tolist()
         offsets_q, offsets_kv = both[: cu_q.numel()], both[cu_q.numel() :]
-    _check_values("cu_seqlens_q", offsets_q, total_q)
-    _check_values("cu_seqlens_kv", offsets_kv, total_kv)
-    seq_q, pos_q = _positions(cu_q, total_q)
+    lengths_q = _check_values("cu_seqlens_q", offsets_q, total_q)
+    lengths_kv = _check_values("cu_seqlens_kv", offsets_kv, total_kv)
+    seq_q = torch.empty(total_q, dtype=torch.int32, device=device)
+    pos_q = torch.empty(total_q, dtype=torch.int32, device=device)
     if offsets_kv == offsets_q:
         # The same tokens on both sides: views, so that the mods still capture four tensors.
         seq_kv, pos_kv = seq_q.view(-1), pos_q.view(-1)
     else:
-        seq_kv, pos_kv = _positions(cu_kv, total_kv)
-    found = Packing(seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv))
+        seq_kv = torch.empty(total_kv, dtype=torch.int32, device=device)
+        pos_kv = torch.empty(total_kv, dtype=torch.int32, device=device)
+    found = Packing(
+        seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv), lengths_q,
+        lengths_kv, [True],
+    )  # fmt: skip
+    if not (defer and _writes_positions(device)):
+        found.fill()
     _packings[key] = (weakref.ref(cu_q), weakref.ref(cu_kv), found)
     while len(_packings) > _MAX_CACHED:
         _packings.popitem(last=False)
     return found
+
+
+def _writes_positions(device: torch.device) -> bool:
+    """Whether the packed block-list kernel can write the positions of a batch on `device`."""
+    from flexfa.blockmask.build import _use_fused
+
+    return _use_fused(device)
 
 
 def sequence_lengths(
@@ -273,6 +326,18 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
     return tuple(torch.zeros(1, dtype=torch.int32, device=device) for _ in range(4))
 
 
+# Note [Mask twins by the user's trace]
+# Looking a packed mask's twin up in the trace cache fingerprints all it reads: its code, the
+# placeholders and the user's mask_mod with all that reads, ~10 us of a packed BlockMask's ~90
+# (2-core CPU), and the packed builder then fingerprinted the user's mask_mod again. The twin is
+# the maker's fixed code around the user's mask_mod, so the user's trace, looked up once per call
+# and shared with the builder, stands for the rest: a trace cache entry is one object for as long
+# as what its mod reads is unchanged (a change is another key, another object), and the twin's
+# entry keeps that object alive, so its id names it. Score twins keep their own lookup: a
+# score_mod's trace is rebound to new scalar values, a new object per value.
+_MASK_TWIN = "packed mask twin"
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class _Packed:
     """What a packed mod is made of: a maker (`_packed_score` or `_packed_mask`), the user's mod
@@ -281,6 +346,8 @@ class _Packed:
     maker: Callable[..., Callable[..., Any]]
     mod: Callable[..., Any] | None
     pack: Packing
+    # The user's mod traced, by device (`inner`): once per packed call.
+    _inners: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
 
     def make(self) -> Callable[..., Any]:
         p = self.pack
@@ -291,11 +358,30 @@ class _Packed:
             fn.__flexfa_block_mask__ = self.block_mask
         return fn
 
+    def inner(self, device: torch.device | None) -> TracedMod | None:
+        """The user's mask_mod traced for `device` (None: no mask), kept for this packed call."""
+        key = str(device)
+        if key not in self._inners:
+            found = None if self.mod is None else trace(self.mod, "mask_mod", device=device)
+            self._inners[key] = found
+        return self._inners[key]
+
     def trace(self, fn: Callable[..., Any], kind: str, device: torch.device | None):
         """The trace of `fn` from its twin's (Note [Packed batches without retracing])."""
         p = self.pack
         stand_ins = _placeholders(p.device)
-        twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
+        if self.maker is _packed_mask and kind == "mask_mod":
+            # Note [Mask twins by the user's trace]
+            inner = self.inner(device)
+            key = (_MASK_TWIN, str(device), id(inner))
+            hit = traces.get(key)
+            if hit is not None and hit[0] is inner:
+                twin = hit[1]
+            else:
+                twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
+                traces.put(key, (inner, twin))  # `inner` kept alive: its id stays its own
+        else:
+            twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
         real = dict(zip(map(id, stand_ins), (p.seq_q, p.pos_q, p.seq_kv, p.pos_kv)))
         tensors = tuple(real.get(id(t), t) for t in twin.tensors)
         return twin.rebound(tensors=tensors, fn=fn)
@@ -305,4 +391,6 @@ class _Packed:
         block masks]), or None when the general path must build it."""
         from flexfa.blockmask.packed import packed_block_mask
 
-        return packed_block_mask(traced, grid, self.mod, self.pack)
+        bm = packed_block_mask(traced, grid, self.inner(grid.device), self.pack)
+        self.pack.fill()  # if its kernel did not write them (Note [Positions written with ...])
+        return bm

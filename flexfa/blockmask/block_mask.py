@@ -264,26 +264,17 @@ class BlockMask:
         """The BlockMask of views into `buffer`, where one of flexfa's block-mask kernels wrote its
         four lists in the order of `buffer_sizes` (Note [Block lists in one buffer])."""
         nq, nkv = -(-q_len // block_size.q), -(-kv_len // block_size.kv)
-        sizes = BlockMask.buffer_sizes(batch, heads, nq, nkv)
-        starts = [0]
-        for size in sizes[:-1]:
-            starts.append(starts[-1] + size)
-
-        def part(i: int, *shape: int) -> torch.Tensor:  # one view each (cheaper than a split)
-            strides = [1]
-            for n in reversed(shape[1:]):
-                strides.insert(0, strides[0] * n)
-            return buffer.as_strided(shape, strides, buffer.storage_offset() + starts[i])
-
         B, H = batch, heads
-        lists = (
-            (part(0, B, H, nq), part(4, B, H, nq, nkv)),
-            (part(1, B, H, nq), part(5, B, H, nq, nkv)),
-            (part(2, B, H, nkv), part(6, B, H, nkv, nq)),
-            (part(3, B, H, nkv), part(7, B, H, nkv, nq)),
+        shapes = (
+            ((B, H, nq),) * 2 + ((B, H, nkv),) * 2 + ((B, H, nq, nkv),) * 2 + ((B, H, nkv, nq),) * 2
         )
+        at = buffer.storage_offset()
+        views = []
+        for size, shape in zip(BlockMask.buffer_sizes(B, H, nq, nkv), shapes):
+            views.append(buffer.as_strided(shape, _strides(shape), at))  # cheaper than a split
+            at += size
         kv_partial, kv_full, q_partial, q_full = (
-            _unchecked(BlockList, count=count, index=index) for count, index in lists
+            _unchecked(BlockList, count=views[k], index=views[k + 4]) for k in range(4)
         )
         return _unchecked(
             BlockMask,
@@ -503,12 +494,18 @@ class BlockMask:
         plot(self, path, b=b, h=h)
 
 
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of `shape`."""
+    if len(shape) == 3:
+        return (shape[1] * shape[2], shape[2], 1)
+    return (shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1)
+
+
 def _unchecked(cls: type, **fields: object):
     """An instance of the frozen dataclass `cls` from all its `fields`, without `__post_init__`
     (Note [Block lists in one buffer])."""
     obj = object.__new__(cls)
-    for name, value in fields.items():
-        object.__setattr__(obj, name, value)
+    obj.__dict__.update(fields)  # the frozen dataclasses here have no slots
     return obj
 
 

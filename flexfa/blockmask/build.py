@@ -287,13 +287,12 @@ def create_block_mask(
     batch = B if (B is not None and "b" in traced.variables) else 1
     heads = H if (H is not None and "h" in traced.variables) else 1
     grid = TileGrid(batch, heads, Q_LEN, KV_LEN, block_size, device)
-    use_fused = _use_fused(device)
     own = getattr(traced.fn, "__flexfa_block_mask__", None)
     if own is not None:  # Note [Block mask builders]
         bm = own(traced, grid)
         if bm is not None:
             return bm
-    if use_fused:
+    if _use_fused(device):
         from flexfa.blockmask import fused
 
         bm = fused.build(traced, grid)

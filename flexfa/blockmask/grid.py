@@ -29,10 +29,22 @@ class TileGrid:
     device: torch.device
 
     def __post_init__(self) -> None:
+        sizes = (self.batch, self.heads, self.q_len, self.kv_len)
+        if all(type(n) is int for n in sizes) and min(sizes) >= 1:
+            return
         for name in ("batch", "heads", "q_len", "kv_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"TileGrid.{name} must be a positive int, got {value!r}")
+
+    def __hash__(self) -> int:
+        # Kept: grids key the caches of analyses and kernels, several lookups per BlockMask.
+        found = self.__dict__.get("_hash")
+        if found is None:
+            found = self.__dict__["_hash"] = hash(
+                (self.batch, self.heads, self.q_len, self.kv_len, self.block_size, self.device)
+            )
+        return found
 
     @property
     def num_q_blocks(self) -> int:

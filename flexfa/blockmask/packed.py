@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -56,7 +56,7 @@ from flexfa.blockmask.analysis import Analyzer, _independent, _Static
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.blockmask.grid import TileGrid, TileSet
 from flexfa.blockmask.lines import Sig
-from flexfa.frontend.trace import TracedMod, trace_mask_mod
+from flexfa.frontend.trace import TracedMod
 from flexfa.ir.nodes import COMPARE_OPS, Op
 
 if TYPE_CHECKING:
@@ -75,14 +75,14 @@ _LINE_ALLOWANCE = 1 << 16
 
 
 def packed_block_mask(
-    traced: TracedMod, grid: TileGrid, mask_mod: Any, pack: Packing
+    traced: TracedMod, grid: TileGrid, inner: TracedMod | None, pack: Packing
 ) -> BlockMask | None:
     """The BlockMask of the packed mask `traced` on `grid` (Note [Tiles of a packed mask]), or
-    None when the general path must build it. `mask_mod` is the user's (None: no mask)."""
+    None when the general path must build it. `inner` is the user's mask_mod traced on the grid's
+    device (None: no mask)."""
     if grid.batch != 1 or (grid.q_len, grid.kv_len) != (pack.offsets_q[-1], pack.offsets_kv[-1]):
         return None  # not the packing's own lengths
     own = {id(t) for t in (pack.seq_q, pack.pos_q, pack.seq_kv, pack.pos_kv)}
-    inner = None if mask_mod is None else trace_mask_mod(mask_mod, device=grid.device)
     if inner is not None:
         own.update(map(id, inner.tensors))
     if any(id(t) not in own for t in traced.tensors):
@@ -103,6 +103,7 @@ def packed_block_mask(
             built["packed"] += 1
             built["kernel"] += 1
             return bm
+    pack.fill()  # the torch builder reads the positions (Note [Positions written with ...])
     ends_q, ends_kv, sides, heads = _geometry(grid)
     # The sequences of the first and last token of every q-block and kv-block, [2, nq], [2, nkv].
     sq, sk = pack.seq_q[ends_q], pack.seq_kv[ends_kv]
@@ -211,7 +212,12 @@ def _relative_grid(inner: TracedMod | None, grid: TileGrid, pack: Packing) -> Ti
             return None
     if inner is None or not inner.tensors:  # Note [Relative grids of powers of 2]
         q_len, kv_len = _span(q_len), _span(kv_len)
-    return TileGrid(batch, grid.heads, q_len, kv_len, grid.block_size, grid.device)
+    return _grid(batch, grid.heads, q_len, kv_len, grid.block_size, grid.device)
+
+
+# The same object for the same grid: its hash is computed once (it keys `_analyzer` and the
+# packed kernels), and relative grids repeat from batch to batch.
+_grid = functools.lru_cache(maxsize=64)(TileGrid)
 
 
 # Note [Relative grids of powers of 2]

@@ -9,15 +9,17 @@
 # work. The fused path (Note [Fused analysis]) already solves this for ordinary masks, and its
 # emitter writes the analysis of a mask_mod on any rectangle (q_lo..q_hi, kv_lo..kv_hi) of a plane
 # (b, h) as Triton code. So one kernel does what the torch builder does, per tile:
-#   - the sequences of the first and last tokens of its q-block and kv-block, read from the
-#     packing's seq_q and seq_kv (already on the device, one load each), give lo, hi and `single`;
+#   - the sequences of the first and last tokens of its q-block and kv-block, found by a binary
+#     search in the offsets (log2 B loads each, from the cache), give lo, hi and `single`;
 #   - the sub-rectangles of lo and hi, from the offsets cu_q and cu_kv, in relative positions, are
 #     bounded by the emitted analysis with b = the sequence;
 #   - the tile is full, empty or partial by the same rules, and the program appends it to its
 #     row's (or column's) lists, as the fused kernel does (one program per q-block, one per
 #     kv-block, and the heads along the grid's second axis).
 # It writes every element of its output (zeros past each list's count), so the output needs no
-# zero fill: a build is that one launch and an uninitialized allocation.
+# zero fill: a build is that one launch and an uninitialized allocation. Its programs after those
+# of the lists write the packing's positions while nothing else has (Note [Positions written with
+# the block lists] in flexfa/varlen.py).
 #
 # It takes only masks the torch builder trusts without a check (no captured tensor is read, and
 # the analysis is exact logic, Note [Tiles of a packed mask]) and whose every node the kernel
@@ -51,6 +53,7 @@ from flexfa.blockmask.fused_emit import emit_body, render_module
 from flexfa.blockmask.fused_plan import How, KernelLineInput, PrefixInput, load_in_bounds, plan_for
 from flexfa.blockmask.grid import TileGrid
 from flexfa.blockmask.lines import Sig, _Line
+from flexfa.codegen.triton import packing as positions
 from flexfa.codegen.triton.emit import capture_values
 from flexfa.codegen.triton.launch import compiling_in_background, direct_default, launch_default
 from flexfa.frontend.trace import TracedMod
@@ -204,6 +207,7 @@ def _constexprs(bs: Any, chunk: int) -> dict[str, int]:
         BQ_P2=fused._pow2_at_least(bs.q, bs.q),
         BKV_P2=fused._pow2_at_least(bs.kv, bs.kv),
         CHUNK=chunk,
+        POS_BLOCK=positions.BLOCK,
     )
 
 
@@ -233,19 +237,27 @@ def build(
     cap = fused._KLINE_CHUNK_CAP if k.kernel_lines else fused._CHUNK_CAP
     constexprs = _constexprs(bs, fused._pow2_at_least(max(nq, nkv), cap))
     out = torch.empty(sum(sizes), dtype=torch.int32, device=grid.device)
+    # The positions too, while nothing wrote them (Note [Positions written with the block lists])
+    write = pack.unwritten[0]
+    pos_q = grid.q_len if write else 0
+    pos_kv = grid.kv_len if write and pack.kv_own_positions else 0
+    top, steps = positions.search(pack.num_seqs)
     args = (
-        out, pack.seq_q, pack.seq_kv, pack.cu_q, pack.cu_kv, grid.q_len, grid.kv_len,
-        rel.q_len, rel.kv_len, nq, nkv, H, *k.args,
+        out, pack.seq_q, pack.pos_q, pack.seq_kv, pack.pos_kv, pack.cu_q, pack.cu_kv, grid.q_len,
+        grid.kv_len, rel.q_len, rel.kv_len, nq, nkv, H, pack.num_seqs, top, steps, pos_q, pos_kv,
+        *k.args,
     )  # fmt: skip
+    launch_grid = (nq + nkv + positions.blocks(pos_q) + positions.blocks(pos_kv), H)
     kernel = k.kernel
-    if not direct_default(kernel, constexprs).try_call((nq + nkv, H), args):
+    if not direct_default(kernel, constexprs).try_call(launch_grid, args):
         fast_key = (id(kernel), str(grid.device), *constexprs.values(), specialization(args))
         label = f"packed block lists of {name}"
-        warm = lambda: kernel.warmup(*args, grid=(nq + nkv, H), **constexprs)
+        warm = lambda: kernel.warmup(*args, grid=launch_grid, **constexprs)
         if compiling_in_background(fast_key, label, kernel, warm):
             log.debug("flexfa: packed block mask of %s takes the torch builder: compiling", name)
             return None
-        launch_default(fast_key, label, kernel, (nq + nkv, H), args, constexprs)
+        launch_default(fast_key, label, kernel, launch_grid, args, constexprs)
+    pack.unwritten[0] = False
     return BlockMask.from_buffer(
         out,
         batch=1,

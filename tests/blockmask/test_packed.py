@@ -243,6 +243,39 @@ def test_packed_traces_equal_a_trace_and_are_not_retraced(inner):
     assert traces.misses == misses
 
 
+_WINDOW = 3  # read by `_windowed`, changed by the test below
+
+
+def _windowed(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx < _WINDOW)
+
+
+def test_packed_mask_traces_follow_a_change_of_what_the_user_mask_reads(monkeypatch):
+    """Mask twins are looked up by the user's trace (Note [Mask twins by the user's trace]): a
+    change of a global the mask_mod reads gives another trace, and the packed mask's BlockMask
+    and trace follow it; an unchanged mask_mod reuses the twin."""
+    lens = [40, 0, 70, 1]
+    cu = _offsets(lens)
+    total = sum(lens)
+
+    def packed_trace(window):
+        monkeypatch.setitem(globals(), "_WINDOW", window)
+        pack = packing(cu.clone(), cu.clone(), total, total, _CPU)
+        _, mask = packed_mods(None, _windowed, pack, 2)
+        traced = trace_mask_mod(mask)
+        assert traced.fn is mask and traced.tensors[0] is pack.seq_q
+        bm = flexfa.create_block_mask(mask, 1, None, total, total, BLOCK_SIZE=16)
+        want = oracle.expected_states(mask, 1, 1, total, total, BlockSize.of(16))
+        got = oracle.states_of(bm, 1, 1)
+        assert torch.equal(got, want), oracle.describe_mismatch(got, want)
+        return traced
+
+    small = packed_trace(3)
+    misses = traces.misses
+    assert packed_trace(3).key == small.key and traces.misses == misses
+    assert packed_trace(60).key != small.key
+
+
 # ------------------------------------------------------------------------------------------------
 # The packed kernel (Note [Packed block masks in one kernel]) and the positions kernel (Note
 # [Packed positions in one kernel]), through Triton's interpreter: the same lists as the torch
@@ -384,24 +417,98 @@ def test_a_cold_kernel_compiles_in_the_background_while_torch_builds(monkeypatch
 @settings(max_examples=examples(30), **_SETTINGS)
 @given(st.lists(lengths, min_size=1, max_size=9).filter(lambda x: sum(x) > 0))
 def test_positions_kernel(lens):
-    from flexfa import varlen
     from flexfa.codegen.triton import packing as positions
 
     cu = _offsets(lens)
-    with flexfa.config.override(fused_block_mask="off"):
-        want = varlen._positions(cu, sum(lens))
-    got = positions.positions(cu, sum(lens))
-    assert got is not None
+    want = _torch_positions(cu, sum(lens))
+    got = torch.empty(sum(lens), dtype=torch.int32), torch.empty(sum(lens), dtype=torch.int32)
+    assert positions.positions(cu, *got, sum(lens))
     for g, w in zip(got, want, strict=True):
-        assert g.dtype == w.dtype == torch.int32
         assert torch.equal(g, w), lens
+
+
+def _torch_positions(cu, total):
+    """(seq, pos) of the tokens of offsets `cu`, by the torch operations."""
+    from flexfa import varlen
+
+    seq, pos = torch.empty(total, dtype=torch.int32), torch.empty(total, dtype=torch.int32)
+    with flexfa.config.override(fused_block_mask="off"):
+        varlen._write_positions(cu, seq, pos, total)
+    return seq, pos
+
+
+def _check_positions(pack, where=""):
+    assert not pack.unwritten[0], where
+    for cu, seq, pos in (
+        (pack.cu_q, pack.seq_q, pack.pos_q),
+        (pack.cu_kv, pack.seq_kv, pack.pos_kv),
+    ):
+        want_seq, want_pos = _torch_positions(cu, seq.numel())
+        assert torch.equal(seq, want_seq) and torch.equal(pos, want_pos), where
 
 
 @_interpreted
 @pytest.mark.usefixtures("_cache_dir")
-def test_a_new_batch_is_two_launches_and_no_other_operation(monkeypatch):
-    """With the kernels, a new batch's packing and BlockMask run no torch operation on the device
-    (allocations aside) and launch two kernels: positions and block lists."""
+@settings(max_examples=examples(20), **_SETTINGS)
+@given(packings(), st.sampled_from([None, fm.causal, fm.sliding_window(9)]))
+def test_deferred_positions_are_written_by_the_list_kernel(lens, inner):
+    """A deferred packing's positions come from the block-list kernel (Note [Positions written
+    with the block lists]): the same as the torch operations', queries and keys."""
+    lens_q, lens_kv = lens
+    cu_q = _offsets(lens_q)
+    cu_kv = cu_q if list(lens_kv) == list(lens_q) else _offsets(lens_kv)
+    total_q, total_kv = sum(lens_q), sum(lens_kv)
+    with flexfa.config.override(fused_block_mask="on"):
+        pack = packing(cu_q, cu_kv, total_q, total_kv, _CPU, defer=True)
+        assert pack.unwritten[0]
+        _, mask = packed_mods(None, inner, pack, 2)
+        before = packed.built["kernel"]
+        flexfa.create_block_mask(mask, 1, None, total_q, total_kv, BLOCK_SIZE=16)
+        assert packed.built["kernel"] == before + 1
+    _check_positions(pack, f"{lens_q} {lens_kv}")
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+def test_deferred_positions_are_written_when_the_list_kernel_does_not_run(monkeypatch):
+    """The torch builder (while the kernel compiles, or for a mask it cannot take) and a later
+    `packing()` without `defer` see written positions."""
+    from flexfa.blockmask import packed_fused
+
+    lens = [20, 0, 35, 1, 12]
+    cu = _offsets(lens)
+    keep = torch.tensor([3, 0, 50, 1, 4], dtype=torch.int32)
+
+    def key_padding(b, h, q_idx, kv_idx):  # reads a tensor: the torch builder's
+        return kv_idx < keep[b]
+
+    with flexfa.config.override(fused_block_mask="on"):
+        with monkeypatch.context() as m:
+            m.setattr(packed_fused, "compiling_in_background", lambda *a: True)
+            pack = packing(cu.clone(), cu.clone(), sum(lens), sum(lens), _CPU, defer=True)
+            _, mask = packed_mods(None, fm.causal, pack, 2)
+            bm = flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens), BLOCK_SIZE=16)
+            _check_positions(pack, "compiling")
+            want = oracle.expected_states(mask, 1, 1, sum(lens), sum(lens), BlockSize.of(16))
+            assert torch.equal(oracle.states_of(bm, 1, 1), want)
+        pack = packing(cu.clone(), cu.clone(), sum(lens), sum(lens), _CPU, defer=True)
+        _, mask = packed_mods(None, key_padding, pack, 2)
+        flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens), BLOCK_SIZE=16)
+        _check_positions(pack, "key padding")
+        fresh = cu.clone()
+        pending = packing(fresh, fresh, sum(lens), sum(lens), _CPU, defer=True)
+        assert pending.unwritten[0]
+        assert packing(fresh, fresh, sum(lens), sum(lens), _CPU) is pending  # cached, now written
+        _check_positions(pending, "cached")
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
+def test_a_new_batch_is_one_launch_and_no_other_operation(monkeypatch):
+    """With the kernels, a new batch's packing and BlockMask, as a packed call makes them, run no
+    torch operation on the device (allocations aside) and launch one kernel: the block lists,
+    which writes the positions too (Note [Positions written with the block lists]). Without
+    deferring, the positions are a launch of their own."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     from flexfa.blockmask import packed_fused
@@ -421,18 +528,19 @@ def test_a_new_batch_is_two_launches_and_no_other_operation(monkeypatch):
     cu = _offsets(lens)
     with flexfa.config.override(fused_block_mask="on"):
         for inner in (fm.causal, fm.sliding_window(64), None):
-            for _ in range(2):  # the first warms the caches
-                launches.clear()
-                fresh = cu.clone()
-                with _Ops() as seen:
-                    pack = packing(fresh, fresh, sum(lens), sum(lens), _CPU)
-                    _, mask = packed_mods(None, inner, pack, 16)
-                    flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens))
-            assert sorted(launches) == [
-                "packed block lists of " + mask.__name__,
-                "packed positions",
-            ]
-            assert set(seen.ops) <= {"empty", "empty_strided", "as_strided"}, seen.ops
+            for defer in (True, False):
+                for _ in range(2):  # the first warms the caches
+                    launches.clear()
+                    fresh = cu.clone()
+                    with _Ops() as seen:
+                        pack = packing(fresh, fresh, sum(lens), sum(lens), _CPU, defer=defer)
+                        _, mask = packed_mods(None, inner, pack, 16)
+                        flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens))
+                        pack.fill()
+                lists = "packed block lists of " + mask.__name__
+                assert sorted(launches) == ([lists] if defer else [lists, "packed positions"])
+                assert set(seen.ops) <= {"empty", "empty_strided", "as_strided"}, seen.ops
+                _check_positions(pack, f"{mask.__name__} defer={defer}")
 
 
 @_interpreted

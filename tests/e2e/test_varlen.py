@@ -3,8 +3,6 @@ forward and backward, with empty and length-1 sequences (Note [Packed batches as
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
@@ -12,9 +10,8 @@ from hypothesis import strategies as st
 
 import flexfa
 from flexfa.blockmask import packed
-from flexfa.mods import bind_heads
-from flexfa.reference import reference_attention
 from tests.blockmask.strategies import examples
+from tests.sequences import per_sequence_reference
 
 LENS_Q = [5, 0, 1, 9, 3]
 LENS_KV = [7, 3, 1, 9, 0]
@@ -36,24 +33,7 @@ def _inputs(dtype, seed=0, heads_q=4, heads_kv=2, e=16):
 
 def _reference(q, k, v, score_mod, mask_mod, lens_q=LENS_Q, lens_kv=LENS_KV):
     """Each sequence on its own (mods see b = its index), concatenated; differentiable."""
-    cq, ck = _offsets(lens_q).tolist(), _offsets(lens_kv).tolist()
-    score_mod = bind_heads(score_mod, q.shape[1])
-    outs, lses = [], []
-    for s in range(len(lens_q)):
-        qs = q[:, :, cq[s] : cq[s + 1]]
-        ks, vs = k[:, :, ck[s] : ck[s + 1]], v[:, :, ck[s] : ck[s + 1]]
-        if qs.shape[2] == 0:
-            continue
-        if ks.shape[2] == 0:  # no keys: empty rows
-            outs.append(qs.new_zeros(*qs.shape[:3], v.shape[3]) * qs.sum())
-            lses.append(torch.full(qs.shape[:3], -math.inf, dtype=qs.dtype))
-            continue
-        sm = (lambda sc, b, h, i, j, s=s: score_mod(sc, b + s, h, i, j)) if score_mod else None
-        mm = (lambda b, h, i, j, s=s: mask_mod(b + s, h, i, j)) if mask_mod else None
-        o, lse = reference_attention(qs, ks, vs, sm, mm, enable_gqa=True)
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
+    return per_sequence_reference(q, k, v, score_mod, mask_mod, lens_q, lens_kv)
 
 
 SEQ_BIAS = torch.tensor([0.5, -1.0, 2.0, 0.0, 1.5], dtype=torch.float64)

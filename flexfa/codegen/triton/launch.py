@@ -467,10 +467,11 @@ class DirectLaunch:
         if self._constexpr_values is None or config.triton_interpret:
             self._jit(grid, args)
             return
-        key = _fingerprint(args)
+        device = torch.cuda.current_device()
+        key = _fingerprint(args, device)
         compiled = self._compiled.get(key)
         if compiled is None:
-            spec = _specialization(args)
+            spec = _specialization(args, device)
             compiled = self._by_specialization.get(spec)
             if compiled is None:
                 compiled = self._jit(grid, args)
@@ -486,10 +487,11 @@ class DirectLaunch:
         otherwise launch nothing and return False."""
         if self._constexpr_values is None or config.triton_interpret:
             return False
-        key = _fingerprint(args)
+        device = torch.cuda.current_device()
+        key = _fingerprint(args, device)
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._by_specialization.get(_specialization(args))
+            compiled = self._by_specialization.get(_specialization(args, device))
             if compiled is None:
                 return False
             self._remember(key, compiled)
@@ -501,8 +503,11 @@ class DirectLaunch:
         yet (or under the interpreter)."""
         if self._constexpr_values is None or config.triton_interpret:
             return None
-        found = self._compiled.get(_fingerprint(args))
-        return found if found is not None else self._by_specialization.get(_specialization(args))
+        device = torch.cuda.current_device()
+        found = self._compiled.get(_fingerprint(args, device))
+        if found is None:
+            found = self._by_specialization.get(_specialization(args, device))
+        return found
 
     def call_compiled(self, compiled: Any, grid: tuple[int, ...], args: list | tuple) -> None:
         """Launch `compiled` (from `compiled_for` with arguments of the same specialization)."""
@@ -520,11 +525,11 @@ class DirectLaunch:
         return self.kernel[grid](*args, **options, **self.constexprs)
 
 
-def _fingerprint(args: list | tuple) -> tuple:
-    """The arguments' values where Triton's specialization may depend on them: a fast key, finer
-    than Triton's own (Note [Direct launches])."""
+def _fingerprint(args: list | tuple, device: int) -> tuple:
+    """The arguments' values where Triton's specialization may depend on them, on the current
+    GPU `device`: a fast key, finer than Triton's own (Note [Direct launches])."""
     return (
-        torch.cuda.current_device(),
+        device,
         *[
             a
             if type(a) is int or type(a) is bool
@@ -542,10 +547,11 @@ def _int_class(a: int) -> tuple[bool, bool, bool, bool]:
     return (a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63)
 
 
-def _specialization(args: list | tuple) -> tuple:
-    """What Triton's specialization of a launch depends on, exactly (Note [Direct launches])."""
+def _specialization(args: list | tuple, device: int) -> tuple:
+    """What Triton's specialization of a launch on the current GPU `device` depends on, exactly
+    (Note [Direct launches])."""
     return (
-        torch.cuda.current_device(),
+        device,
         *[
             _int_class(a)
             if type(a) is int

@@ -27,6 +27,7 @@ from flexfa.codegen.cute.plan import lower_packed_mask, native_mask
 from flexfa.frontend import trace_mask_mod
 from flexfa.reference import reference_attention
 from tests.codegen.cute.test_plan import dense
+from tests.sequences import per_sequence_reference
 
 
 @pytest.fixture(autouse=True)
@@ -391,26 +392,6 @@ def _install(monkeypatch, stand_in):
     monkeypatch.setattr(backend, "_arch_major", lambda device: 9)
 
 
-def _per_sequence_reference(q, k, v, score_mod, mask_mod, lens_q, lens_kv):
-    """Each sequence alone through flexfa's reference (b = its index), concatenated."""
-    cq, ck = _offsets(lens_q).tolist(), _offsets(lens_kv).tolist()
-    outs, lses = [], []
-    for s in range(len(lens_q)):
-        qs, ks, vs = (
-            q[:, :, cq[s] : cq[s + 1]],
-            k[:, :, ck[s] : ck[s + 1]],
-            v[:, :, ck[s] : ck[s + 1]],
-        )
-        if qs.shape[2] == 0:
-            continue
-        sm = (lambda sc, b, h, i, j, s=s: score_mod(sc, b + s, h, i, j)) if score_mod else None
-        mm = (lambda b, h, i, j, s=s: mask_mod(b + s, h, i, j)) if mask_mod else None
-        o, lse = reference_attention(qs, ks, vs, sm, mm, enable_gqa=q.shape[1] != k.shape[1])
-        outs.append(o)
-        lses.append(lse)
-    return torch.cat(outs, 2), torch.cat(lses, 2)
-
-
 def _four_more_keys_causal(b, h, q_idx, kv_idx):
     return kv_idx <= q_idx + 4  # FA4's causal mask where every sequence has 4 more keys
 
@@ -470,7 +451,7 @@ def test_varlen_path_end_to_end_with_a_stand_in(monkeypatch, heads, head_dim, le
     assert stand_in.seen["bwd"] == (
         (total_q, heads[0], padded), (total_kv, group_heads, padded), (heads[0], total_q), fa4_mask,
     )  # fmt: skip
-    ref, ref_lse = _per_sequence_reference(q, k, v, make(slopes), mask_mod, lens_q, lens_kv)
+    ref, ref_lse = per_sequence_reference(q, k, v, make(slopes), mask_mod, lens_q, lens_kv)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)  # float32 LSE
     want = torch.autograd.grad((ref, ref_lse), (q, k, v, slopes), (do, dl.float().double()))
