@@ -68,6 +68,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -75,7 +76,6 @@ from typing import Any
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
-from flexfa.frontend.cache import traces
 from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
 
@@ -333,9 +333,15 @@ def _placeholders(device: torch.device) -> tuple[torch.Tensor, ...]:
 # the maker's fixed code around the user's mask_mod, so the user's trace, looked up once per call
 # and shared with the builder, stands for the rest: a trace cache entry is one object for as long
 # as what its mod reads is unchanged (a change is another key, another object), and the twin's
-# entry keeps that object alive, so its id names it. Score twins keep their own lookup: a
-# score_mod's trace is rebound to new scalar values, a new object per value.
-_MASK_TWIN = "packed mask twin"
+# entry keeps that object alive, so its id names it. The entries are few and their own (a mask_mod
+# the trace cache cannot keep is traced anew at each call, and would otherwise push other traces
+# out of it). Score twins keep their own lookup: a score_mod's trace is rebound to new scalar
+# values, a new object per value.
+_mask_twins: collections.OrderedDict[tuple, tuple[TracedMod | None, TracedMod]] = (
+    collections.OrderedDict()
+)
+_MASK_TWINS_KEPT = 16
+_mask_twins_lock = threading.Lock()
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -373,13 +379,19 @@ class _Packed:
         if self.maker is _packed_mask and kind == "mask_mod":
             # Note [Mask twins by the user's trace]
             inner = self.inner(device)
-            key = (_MASK_TWIN, str(device), id(inner))
-            hit = traces.get(key)
+            key = (str(device), id(inner))
+            with _mask_twins_lock:
+                hit = _mask_twins.get(key)
+                if hit is not None and hit[0] is inner:
+                    _mask_twins.move_to_end(key)
             if hit is not None and hit[0] is inner:
                 twin = hit[1]
             else:
                 twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
-                traces.put(key, (inner, twin))  # `inner` kept alive: its id stays its own
+                with _mask_twins_lock:
+                    _mask_twins[key] = (inner, twin)  # `inner` kept alive: its id stays its own
+                    while len(_mask_twins) > _MASK_TWINS_KEPT:
+                        _mask_twins.popitem(last=False)
         else:
             twin = trace(self.maker(self.mod, *stand_ins), kind, device=device)
         real = dict(zip(map(id, stand_ins), (p.seq_q, p.pos_q, p.seq_kv, p.pos_kv)))

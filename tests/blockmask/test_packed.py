@@ -276,6 +276,40 @@ def test_packed_mask_traces_follow_a_change_of_what_the_user_mask_reads(monkeypa
     assert packed_trace(60).key != small.key
 
 
+class _Limit:
+    value = 5  # an attribute of an arbitrary object: the trace cache cannot keep a mod reading it
+
+
+_LIMIT = _Limit()
+
+
+def _uncacheable(b, h, q_idx, kv_idx):
+    return kv_idx < _LIMIT.value
+
+
+def test_packed_masks_the_trace_cache_cannot_keep_leave_it_alone():
+    """Their twins are kept apart, a few (Note [Mask twins by the user's trace]): batches of a
+    mask_mod the trace cache cannot keep add nothing to it, and each traces what it reads now."""
+    from flexfa import varlen
+
+    lens = [6, 0, 11, 1]
+    cu = _offsets(lens)
+    kept = len(traces._entries)
+    uncacheable = traces.uncacheable
+    for limit in (5, 2, 5, 3, 4) * 5:
+        _LIMIT.value = limit
+        pack = packing(cu.clone(), cu.clone(), sum(lens), sum(lens), _CPU)
+        _, mask = packed_mods(None, _uncacheable, pack, 2)
+        bm = flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens), BLOCK_SIZE=4)
+        want = oracle.expected_states(mask, 1, 1, sum(lens), sum(lens), BlockSize.of(4))
+        got = oracle.states_of(bm, 1, 1)
+        assert torch.equal(got, want), f"limit {limit}\n{oracle.describe_mismatch(got, want)}"
+    _LIMIT.value = 5
+    assert traces.uncacheable > uncacheable
+    assert len(traces._entries) == kept
+    assert len(varlen._mask_twins) <= varlen._MASK_TWINS_KEPT
+
+
 # ------------------------------------------------------------------------------------------------
 # The packed kernel (Note [Packed block masks in one kernel]) and the positions kernel (Note
 # [Packed positions in one kernel]), through Triton's interpreter: the same lists as the torch
