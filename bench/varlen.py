@@ -18,7 +18,8 @@ offsets and the BlockMask of the packed causal mask (the goal is <= 0.2 ms; time
 kernels are compiled), and torch's `create_block_mask` of the same mask. flexfa's is timed twice:
 "same lengths" builds from a fresh offsets tensor of the lengths above each time, "new lengths"
 from the offsets of another batch each time (8 random lengths in 512-8192, as a training loop's
-batches come), which is what a packed batch costs in use.
+batches come), which is what a packed batch costs in use; on a GPU also "new lengths on the host",
+the same with the offsets given on the CPU (Note [Offsets on the host] in flexfa/varlen.py).
 
     python bench/varlen.py [--systems flexfa,flexfa_concat,fa4,flex] [--flexfa-backend auto]
                            [--rep 100]
@@ -124,16 +125,19 @@ def main() -> None:
     # 40 batches warm the caches (the kernels' specializations: Note [Concurrent compiles]),
     # --builds others are timed, each once.
     gen = torch.Generator().manual_seed(1)
-    batches = []
+    batches, host_batches = [], []
     for _ in range(40 + a.builds):
         lens = torch.randint(512, 8193, (len(LENGTHS),), generator=gen)
         offsets = [0, *lens.cumsum(0).tolist()]
         batches.append((torch.tensor(offsets, dtype=torch.int32, device=dev), offsets[-1]))
+        host_batches.append((torch.tensor(offsets, dtype=torch.int32), offsets[-1]))
 
-    def build_flexfa(new_lengths: bool = False) -> None:
+    def build_flexfa(new_lengths: bool = False, host: bool = False) -> None:
         # As a packed call makes them: the BlockMask's kernel writes the positions too (Note
         # [Positions written with the block lists]).
-        if new_lengths:  # another batch's offsets, never seen before
+        if host:  # another batch's offsets, given on the CPU (Note [Offsets on the host])
+            fresh, n = host_batches.pop(0)
+        elif new_lengths:  # another batch's offsets, never seen before
             fresh, n = batches.pop(0)
         else:
             fresh, n = cu.clone(), total
@@ -158,6 +162,8 @@ def main() -> None:
     timed = [("flexfa", "same lengths", build_flexfa)]
     timed.append(("flexfa", "new lengths", lambda: build_flexfa(new_lengths=True)))
     if cuda:
+        timed.append(("flexfa", "new lengths on the host", lambda: build_flexfa(host=True)))
+    if cuda:
         timed.append(("torch", "same lengths", build_torch))
     for name, batches_of, build in timed:
         build()
@@ -165,11 +171,11 @@ def main() -> None:
             from flexfa.codegen.triton.launch import wait_for_background
 
             wait_for_background()
-            for _ in range(39 if batches_of == "new lengths" else 1):
+            for _ in range(39 if batches_of.startswith("new lengths") else 1):
                 build()
             wait_for_background()
         times = []
-        for _ in range(a.builds if batches_of == "new lengths" else a.builds // 2):
+        for _ in range(a.builds if batches_of.startswith("new lengths") else a.builds // 2):
             sync()
             t0 = time.perf_counter()
             build()

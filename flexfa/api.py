@@ -16,7 +16,7 @@ from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.paged import ensure_checked, validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
-from flexfa.varlen import PackedSequences, packed_mods, packing, sequence_lengths
+from flexfa.varlen import PackedSequences, packed_mods, packing
 
 try:  # torch's own types where the installed torch has them, so results compare equal
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -90,7 +90,8 @@ def attention(
         cu_seqlens_q, cu_seqlens_kv: a packed batch: q (1, Hq, total_q, E), k/v (1, Hkv, total_kv,
             E|Ev) hold B sequences at these (B + 1,) int32 offsets; mods see `b` = sequence index
             and positions within each sequence; `block_mask` must then be a mask_mod or None
-            (flexfa/varlen.py).
+            (flexfa/varlen.py). On q's device, or on the CPU: offsets on the CPU spare a call on
+            a GPU its one synchronization (their copy to the host for validation).
 
     A query row with no allowed key gets output 0, LSE -inf and zero gradients.
 
@@ -442,12 +443,11 @@ def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
     # unwritten (Note [Positions written with the block lists] in flexfa/varlen.py).
     packed_mask = resolve_block_mask(packed_mask, 1, q.shape[1], Lq, Lkv, q.device)
     pack.fill()
-    lens_q, lens_kv = sequence_lengths(pack, cu_seqlens_q, cu_seqlens_kv)
     sequences = PackedSequences(
-        cu_seqlens_q,
-        cu_seqlens_kv,
-        lens_q,
-        lens_kv,
+        pack.cu_q,  # on q's device (Note [Offsets on the host] in flexfa/varlen.py)
+        pack.cu_kv,
+        pack.lengths_q,
+        pack.lengths_kv,
         score_mod=_trace_score_mod(score_mod, q.shape[1], q.device),
         mask=None if block_mask is None else trace_mask_mod(block_mask, device=q.device),
     )

@@ -49,6 +49,15 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # compiles]). With the host copy of the offsets (one synchronization) and the packed BlockMask
 # (one launch), a new batch costs about three device operations before its attention kernels.
 #
+# Note [Offsets on the host]
+# The offsets of a packed batch are validated, and its lengths known, on the host: offsets on the
+# GPU cost a copy to the host, which waits for every kernel queued before it (the one
+# synchronization of a new batch). A data loader usually has them on the host already, so
+# `cu_seqlens_q` and `cu_seqlens_kv` may be CPU tensors for a call on a GPU: their values are read
+# where they are and they are copied to the GPU without waiting (a copy from pageable host memory
+# is staged at once, CUDA's documented behaviour for asynchronous copies), so the batch costs no
+# synchronization at all. `Packing.cu_q` and `cu_kv` are then those copies, which the kernels read.
+#
 # Note [Positions written with the block lists]
 # A packed call builds the BlockMask of its packed mask right away, and on a GPU that is one launch
 # of the packed block-list kernel (Note [Packed block masks in one kernel]). That kernel finds each
@@ -148,8 +157,8 @@ def _check(name: str, cu: object, total: int, device: torch.device) -> torch.Ten
             f"{name} must be an int32 tensor of shape (B + 1,) with B >= 1, got {cu.dtype} of "
             f"shape {tuple(cu.shape)}"
         )
-    if cu.device != device:
-        raise ValueError(f"{name} is on {cu.device}, but q is on {device}")
+    if cu.device != device and cu.device.type != "cpu":
+        raise ValueError(f"{name} is on {cu.device}, but q is on {device} (or pass it on the CPU)")
     return cu
 
 
@@ -203,6 +212,10 @@ def packing(
         offsets_q, offsets_kv = both[: cu_q.numel()], both[cu_q.numel() :]
     lengths_q = _check_values("cu_seqlens_q", offsets_q, total_q)
     lengths_kv = _check_values("cu_seqlens_kv", offsets_kv, total_kv)
+    user_q, user_kv = cu_q, cu_kv
+    if cu_q.device != device or cu_kv.device != device:  # Note [Offsets on the host]
+        cu_q = cu_q.to(device, non_blocking=True)
+        cu_kv = cu_q if user_kv is user_q else cu_kv.to(device, non_blocking=True)
     seq_q = torch.empty(total_q, dtype=torch.int32, device=device)
     pos_q = torch.empty(total_q, dtype=torch.int32, device=device)
     if offsets_kv == offsets_q:
@@ -217,7 +230,7 @@ def packing(
     )  # fmt: skip
     if not (defer and _writes_positions(device)):
         found.fill()
-    _packings[key] = (weakref.ref(cu_q), weakref.ref(cu_kv), found)
+    _packings[key] = (weakref.ref(user_q), weakref.ref(user_kv), found)
     while len(_packings) > _MAX_CACHED:
         _packings.popitem(last=False)
     return found
@@ -228,15 +241,6 @@ def _writes_positions(device: torch.device) -> bool:
     from flexfa.blockmask.build import _use_fused
 
     return _use_fused(device)
-
-
-def sequence_lengths(
-    pack: Packing, cu_seqlens_q: torch.Tensor, cu_seqlens_kv: torch.Tensor
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """The lengths of the sequences, queries and keys, on the host: from the host copy of the
-    offsets that `packing` made once per offsets tensor state (no further synchronization)."""
-    assert pack.cu_q is cu_seqlens_q and pack.cu_kv is cu_seqlens_kv, "another call's packing"
-    return pack.lengths_q, pack.lengths_kv
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -98,3 +98,41 @@ def test_packed_call_on_the_triton_kernels() -> None:
     check = ThreeWay(torch.bfloat16, context=f"lens_q={lens_q} lens_kv={lens_kv}")
     check("out", out.double().cpu(), eager, ref)
     check.assert_ok()
+
+
+def test_offsets_on_the_host_cost_no_synchronization() -> None:
+    """Offsets given on the CPU for a call on the GPU (Note [Offsets on the host]): a new batch's
+    packing, mods and BlockMask run without one synchronization, and the call gives the bits
+    that offsets on the GPU give."""
+    lens = [512, 8192, 1024, 3000, 0, 1, 700]
+    total = sum(lens)
+    host = offsets(lens)
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (
+        torch.randn(1, 4, total, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3)
+    )
+    for _ in range(3):  # compiles the kernels (in the background) first
+        pack = packing(host.clone(), host.clone(), total, total, q.device, defer=True)
+        _, mask = packed_mods(None, fm.causal, pack, 4)
+        flexfa.create_block_mask(mask, 1, None, total, total, device="cuda")
+        pack.fill()
+        wait_for_background()
+    torch.cuda.synchronize()
+    before = packed.built["kernel"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fresh = host.clone()
+        pack = packing(fresh, fresh, total, total, q.device, defer=True)
+        _, mask = packed_mods(None, fm.causal, pack, 4)
+        flexfa.create_block_mask(mask, 1, None, total, total, device="cuda")
+        pack.fill()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert packed.built["kernel"] == before + 1
+    assert pack.cu_q.is_cuda and torch.equal(pack.cu_q.cpu(), host)
+    want_seq, want_pos = _torch_positions(pack.cu_q, total)
+    assert torch.equal(pack.seq_q, want_seq) and torch.equal(pack.pos_q, want_pos)
+    call = dict(block_mask=fm.causal, backend="triton")
+    on_host = flexfa.attention(q, k, v, cu_seqlens_q=host, cu_seqlens_kv=host.clone(), **call)
+    on_gpu = flexfa.attention(q, k, v, cu_seqlens_q=host.cuda(), cu_seqlens_kv=host.cuda(), **call)
+    assert torch.equal(on_host, on_gpu)

@@ -106,6 +106,8 @@ def test_packed_errors_are_clear():
     bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, q.shape[2], k.shape[2])
     with pytest.raises(ValueError, match="mask_mod or None"):
         flexfa.attention(q, k, v, block_mask=bm, cu_seqlens_q=cq, cu_seqlens_kv=ck, **call)
+    with pytest.raises(ValueError, match="cu_seqlens_kv is on meta, but q is on cpu"):
+        flexfa.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_kv=ck.to("meta"), **call)
     with pytest.raises(ValueError, match=r"\(1, heads, total_len"):
         flexfa.attention(q.expand(2, -1, -1, -1), k.expand(2, -1, -1, -1), v.expand(2, -1, -1, -1),
                          cu_seqlens_q=cq, cu_seqlens_kv=ck, **call)  # fmt: skip

@@ -216,8 +216,9 @@ def plan_call(
 # the padded backward, the generated hooks themselves (one module for a mod whether packed or not;
 # FA4's compile key tells its varlen kernels apart, so Note [FA4 kernels on disk] needs nothing
 # more). The host copy of the offsets that the proof and FA4's max_seqlen need is made once per
-# offsets tensor state (`flexfa.varlen.sequence_lengths`); packed calls stay out of the call memo
-# (Note [Repeated inference calls] in flexfa/api.py). Inside torch.compile packed calls run the
+# offsets tensor state (`flexfa.varlen.packing`; none for offsets given on the host, Note
+# [Offsets on the host] in flexfa/varlen.py); packed calls stay out of the call memo (Note
+# [Repeated inference calls] in flexfa/api.py). Inside torch.compile packed calls run the
 # concatenation (flexfa/compiled.py builds specs without `packed`).
 
 
