@@ -47,7 +47,9 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # writes both: a binary search of each token in the offsets (log2 B loads per token). Its first
 # use compiles it in the background while the torch operations answer (Note [Concurrent
 # compiles]). With the host copy of the offsets (one synchronization) and the packed BlockMask
-# (one launch), a new batch costs about three device operations before its attention kernels.
+# (one launch), a new batch cost three device operations before its attention kernels; a packed
+# call now makes it two (Note [Positions written with the block lists]), and one with offsets
+# given on the host (Note [Offsets on the host]).
 #
 # Note [Offsets on the host]
 # The offsets of a packed batch are validated, and its lengths known, on the host: offsets on the
