@@ -215,9 +215,9 @@ def packing(
     lengths_q = _check_values("cu_seqlens_q", offsets_q, total_q)
     lengths_kv = _check_values("cu_seqlens_kv", offsets_kv, total_kv)
     user_q, user_kv = cu_q, cu_kv
-    if cu_q.device != device or cu_kv.device != device:  # Note [Offsets on the host]
-        cu_q = cu_q.to(device, non_blocking=True)
-        cu_kv = cu_q if user_kv is user_q else cu_kv.to(device, non_blocking=True)
+    # On q's device (Note [Offsets on the host]) and contiguous: the kernels read cu[s].
+    cu_q = cu_q.to(device, non_blocking=True).contiguous()
+    cu_kv = cu_q if user_kv is user_q else cu_kv.to(device, non_blocking=True).contiguous()
     seq_q = torch.empty(total_q, dtype=torch.int32, device=device)
     pos_q = torch.empty(total_q, dtype=torch.int32, device=device)
     if offsets_kv == offsets_q:
@@ -230,19 +230,14 @@ def packing(
         seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv), lengths_q,
         lengths_kv, [True],
     )  # fmt: skip
-    if not (defer and _writes_positions(device)):
+    from flexfa.blockmask.packed import _use_kernel  # which would write them
+
+    if not (defer and _use_kernel(device)):
         found.fill()
     _packings[key] = (weakref.ref(user_q), weakref.ref(user_kv), found)
     while len(_packings) > _MAX_CACHED:
         _packings.popitem(last=False)
     return found
-
-
-def _writes_positions(device: torch.device) -> bool:
-    """Whether the packed block-list kernel can write the positions of a batch on `device`."""
-    from flexfa.blockmask.build import _use_fused
-
-    return _use_fused(device)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

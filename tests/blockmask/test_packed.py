@@ -504,6 +504,26 @@ def test_deferred_positions_are_written_by_the_list_kernel(lens, inner):
 
 @_interpreted
 @pytest.mark.usefixtures("_cache_dir")
+def test_strided_offsets_reach_the_kernels_contiguous():
+    """The kernels read cu[s]: a strided view of the offsets gives the positions and lists of its
+    values."""
+    lens = [5, 0, 40, 1, 33]
+    cu = _offsets(lens)
+    strided = torch.stack([cu, cu * 0], 1)[:, 0]
+    assert not strided.is_contiguous()
+    with flexfa.config.override(fused_block_mask="on"):
+        got = []
+        for c in (cu, strided):
+            pack = packing(c, c, sum(lens), sum(lens), _CPU, defer=True)
+            _, mask = packed_mods(None, fm.causal, pack, 2)
+            got.append(flexfa.create_block_mask(mask, 1, None, sum(lens), sum(lens), BLOCK_SIZE=16))
+            pack.fill()
+            _check_positions(pack, "strided" if c is strided else "contiguous")
+    _same_lists(got[1], got[0], "strided")
+
+
+@_interpreted
+@pytest.mark.usefixtures("_cache_dir")
 def test_deferred_positions_are_written_when_the_list_kernel_does_not_run(monkeypatch):
     """The torch builder (while the kernel compiles, or for a mask it cannot take) and a later
     `packing()` without `defer` see written positions."""

@@ -113,6 +113,31 @@ def test_packed_errors_are_clear():
                          cu_seqlens_q=cq, cu_seqlens_kv=ck, **call)  # fmt: skip
 
 
+def test_strided_offsets_give_the_offsets_results():
+    """Offsets as a strided view (every other element of a tensor) read as their values: the
+    kernels take a contiguous copy."""
+    q, k, v = _inputs(torch.float64)
+    call = dict(enable_gqa=True, backend="tiled", return_lse=True)
+    want = flexfa.attention(
+        q, k, v, None, flexfa.masks.causal, cu_seqlens_q=_offsets(LENS_Q),
+        cu_seqlens_kv=_offsets(LENS_KV), **call,
+    )  # fmt: skip
+    strided = [torch.stack([_offsets(lens), _offsets(lens)], 1)[:, 0] for lens in (LENS_Q, LENS_KV)]
+    assert not strided[0].is_contiguous()
+    got = flexfa.attention(
+        q,
+        k,
+        v,
+        None,
+        flexfa.masks.causal,
+        cu_seqlens_q=strided[0],
+        cu_seqlens_kv=strided[1],
+        **call,
+    )
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
 def test_explain_backend_takes_a_packed_call():
     q = torch.randn(1, 2, 10, 8)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
