@@ -238,6 +238,36 @@ def test_decode_dense_option_is_checked():
         decode.prepared(spec)
 
 
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_decode_row_tiles_of_another_size(block_m, decode_calls):
+    """kernel_options['decode_block_m'] sets the rows per program: 24 rows (G=8, Lq=3) as two
+    16-row tiles, or one 64-row tile, under a mask that leaves rows empty; the same attention."""
+    p = Problem(batch=2, heads_q=16, heads_kv=2, len_q=3, len_kv=75, head_dim=16)
+    with torch.no_grad():
+        check_attention(
+            p,
+            score_mod=maker(score_mod("alibi"), p.shape),
+            mask_mod=mask_mod("strictly_causal").build(p.shape, seed=2).fn,
+            block_size=16,
+            kernel_options={"decode_block_m": block_m, "decode_splits": 2},
+            backend="triton",
+            grad=False,
+            context=f"decode_block_m={block_m}",
+        )
+    assert len(decode_calls) == 1
+    _spec, prep = list(decode._by_spec.values())[-1]
+    assert (prep.config.block_m, prep.tiles) == (block_m, -(-24 // block_m))
+
+
+def test_decode_block_m_option_is_checked():
+    from flexfa.api import build_spec
+
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 40, 16)
+    spec = build_spec(q, k, k, None, None, kernel_options={"decode_block_m": 24})
+    with pytest.raises(ValueError, match=r"decode_block_m'\] must be a power of two >= 16, got 24"):
+        decode.prepared(spec)
+
+
 def test_decode_option_turns_the_path_off(decode_calls):
     q, k, v = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 40, 16), torch.randn(1, 1, 40, 16)
     flexfa.attention(q, k, v, backend="triton", kernel_options={"decode": False})
@@ -504,13 +534,14 @@ def test_decode_replays_in_a_cuda_graph(options):
         (16, False, 4, 3),
         (1, True, 4, 4),
         (4, True, 4, 4),
-        (16, True, 4, 3),
+        (16, True, 2, 4),
     ],
 )
 def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, splits, stages):
-    """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): two
-    programs per SM (one wave) for every row tile; tiles under 64 rows run 4 stages deep where
-    every tile is full, else 3, as measured."""
+    """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): one
+    wave for every row tile, of two programs per SM, or of one for 64-row tiles where every tile
+    is full (4 stages); tiles under 64 rows run 4 stages deep where every tile is full, else 3,
+    as measured."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
@@ -555,6 +586,22 @@ def test_small_paged_decode_tiles_keep_the_listed_walk(monkeypatch):
         )  # fmt: skip
         cfg = decode.default_config(spec, (9, 0), 32768 // 128, 1, dense_lists=True)
         assert (cfg.dense, cfg.num_splits, cfg.num_stages) == (dense, 4, 3), cfg
+
+
+def test_paged_64_row_tiles_keep_two_programs_per_sm(monkeypatch):
+    """Note [Decode configs]: the 4-stage, one-program-per-SM launch of 64-row tiles is for
+    contiguous caches; a paged cache's 64-row tiles walk dense 3 stages deep, two per SM (on an
+    H200 the other launch took 1121-1288 us at 128k keys against 983)."""
+    from flexfa.api import build_spec
+
+    monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
+    q = torch.empty(8, 32, 16, 128, dtype=torch.bfloat16)
+    pages = torch.empty(8 * 512, 8, 64, 128, dtype=torch.bfloat16)
+    table = torch.arange(8 * 512, dtype=torch.int32).view(8, 512)
+    lens = torch.full((8,), 32768, dtype=torch.int32)
+    spec = build_spec(q, pages, pages, None, None, enable_gqa=True, page_table=table, kv_lens=lens)
+    cfg = decode.default_config(spec, (9, 0), 32768 // 128, 1, dense_lists=True)
+    assert (cfg.block_m, cfg.dense, cfg.num_splits, cfg.num_stages) == (64, True, 4, 3), cfg
 
 
 @pytest.mark.gpu

@@ -41,6 +41,7 @@ DECODE_OPTIONS = frozenset(
     {
         "decode",
         "decode_splits",
+        "decode_block_m",
         "decode_block_n",
         "decode_num_warps",
         "decode_num_stages",

@@ -37,6 +37,7 @@ from flexfa.codegen.triton.decode_configs import (
     _next_pow2,
     _num_sms,
     default_config,
+    row_tile,
 )
 from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, launch
 from flexfa.codegen.triton.module import load_module
@@ -280,7 +281,7 @@ def _prepare(
     mask = None if spec.mask.is_trivially_true else spec.mask
     G, Lq = spec.group_size, spec.len_q
     rows = G * Lq
-    probe_m = min(_next_pow2(rows), 128 if capability is not None else 32)
+    probe_m = row_tile(spec, capability)
     probe = union_lists(bm, spec.heads_kv, G, Lq, probe_m)
     plan = _plan(spec, mask, probe, -(-rows // probe_m), capability, force_compiled)
     cfg = config_override or plan.config

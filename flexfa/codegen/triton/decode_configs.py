@@ -48,6 +48,17 @@ def _next_pow2(n: int, least: int = 16) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
 
+def row_tile(spec: AttentionSpec, capability: tuple[int, int] | None) -> int:
+    """Rows (query head, query) per decode program: the GQA group's rows rounded up to a power of
+    two (at least 16, at most 128; 32 in the interpreter), or kernel_options['decode_block_m']."""
+    chosen = spec.kernel_options.get("decode_block_m")
+    if chosen is not None:
+        _check_pow2("kernel_options['decode_block_m']", chosen)
+        return chosen
+    rows = spec.group_size * spec.len_q
+    return min(_next_pow2(rows), 128 if capability is not None else 32)
+
+
 def default_config(
     spec: AttentionSpec,
     capability: tuple[int, int] | None,
@@ -59,8 +70,7 @@ def default_config(
     """Tile sizes and splits for a call (Note [Decode configs]); `dense_lists`: every tile of the
     call is full (Note [Dense decode])."""
     opts = spec.kernel_options
-    rows = spec.group_size * spec.len_q
-    block_m = min(_next_pow2(rows), 128 if capability is not None else 32)
+    block_m = row_tile(spec, capability)
     sparse_kv = spec.block_mask.block_size.kv
     one_byte = spec.k_dtype.itemsize == spec.v_dtype.itemsize == 1
     if capability is None:
@@ -87,16 +97,23 @@ def default_config(
     # Note [Decode configs]: on sm_90 and later, row tiles under 64 rows run 4 stages deep where
     # they walk dense (no page table) or hold fp8, else 3; two programs per SM, as the larger
     # tiles. Older GPUs run 2 stages (Note [Block ids a tile ahead] in decode.py).
+    # 64-row tiles of a contiguous 16-bit cache walking dense on sm_90 and later: 4 stages deep,
+    # one program per SM (Note [Decode configs]).
+    one_per_sm = (
+        hopper and block_m == 64 and dense and dense_lists and spec.paged is None and not one_byte
+    )
     if hopper and block_m < 64:
         stages = 4 if (dense and dense_lists and spec.paged is None) or one_byte else 3
+    elif one_per_sm:
+        stages = 4
     elif capability is not None and not hopper:
         stages = 2
     splits = opts.get("decode_splits")
     if splits is None:
         # Note [Decode configs]: a few programs per SM (two on sm_90 and later, and for tiles of
-        # 64 rows or more), but each split keeps a few KV tiles.
+        # 64 rows or more; one for the 4-stage 64-row tiles), but each split keeps a few KV tiles.
         programs = spec.batch * spec.heads_kv * tiles
-        per_sm = 2 if block_m >= 64 or hopper else 4
+        per_sm = 1 if one_per_sm else 2 if block_m >= 64 or hopper else 4
         want = max(1, round(per_sm * _num_sms(spec.device) / programs))
         most = max(1, (max_blocks * tiles_per_block) // _MIN_TILES_PER_SPLIT)
         splits = max(1, min(want, most, _MAX_SPLITS))
@@ -157,3 +174,13 @@ def default_config(
 # walk: paged fp8 took 390-391 us at 64k keys and 758-763 at 128k against 399-404 and 774-781
 # before. GPUs before sm_90 run 2 stages: the depth the listed walk had, and shared memory that
 # holds 64-row tiles on sm_86 and sm_89.
+# 64-row tiles of a contiguous 16-bit cache walking dense (Lq=16 with a GQA group of 4, every tile
+# full) run 4 stages deep on sm_90 and later: 147.5 KB of shared memory, so one program per SM, and
+# their splits aim at one program per SM (2 at B * Hkv = 64 on an H200). There, in one process
+# each (`python bench/decode_host.py --lkv 4096,32768,131072 --lq 1,4,16 --variants ...` and
+# `python bench/decode.py --lkv 4096,32768,131072 --lq 16 --systems sdpa,flexfa,paged --variants
+# ...`, two runs), they took 259-262 us at 32k keys and 960-975 at 128k against 264-269 and
+# 979-1008 at 3 stages and two programs per SM. Paged caches lost with that launch (267-272 us at
+# 32k, 1121-1288 at 128k, against 265 and 983) and keep the other. Row tiles of 16 rows padded to
+# 64 (kernel_options {"decode_block_m": 64}) with either launch stayed within 1% of the defaults
+# for Lq=1 and 4, so smaller row groups keep their 16-row tiles.
