@@ -85,6 +85,8 @@ def compile_job(job: dict) -> dict:
     import triton
     from triton.compiler import ASTSource
 
+    if job.get("cache_dir"):  # the asking process's, which may have moved since this one started
+        os.environ["TRITON_CACHE_DIR"] = job["cache_dir"]
     module = _module(job["source"], job["filename"], job["module"])
     fn = getattr(module, job["kernel"])
     src = ASTSource(fn, job["signature"], job["constexprs"], job["attrs"])

@@ -21,12 +21,27 @@
 # not hold. `stats` counts how often the worker's kernel was the one loaded (`reused`, same hash)
 # and how often not (`mismatched`: another Triton configuration in the worker); at the first
 # mismatch the workers are given up for the process with a warning, since that kernel was compiled
-# twice. A worker that fails or exits is replaced, and after `_MAX_FAILURES` failures the workers
-# are given up too, with a warning. Workers start at the first background compile (all of them at once: each takes
-# about as long to start as importing Triton) and end with the process. FLEXFA_COMPILE_WORKERS sets
-# their number (0: compile on the pool threads, as before). The workers have run in tests on the
-# CPU (tests/codegen/triton/test_compile_workers.py: a worker's kernel is the one the process then
-# loads); the GPU test of a cold training step is tests/codegen/triton/test_gpu.py.
+# twice. Triton's cache directory can change after the workers start: torch.compile points
+# TRITON_CACHE_DIR at Inductor's cache when it first compiles (and TRITON_PTXAS_PATH at torch's
+# ptxas). A worker would then compile into the directory it started with, and the process, finding
+# nothing in its new one, would compile the kernel again, with the same hash: unseen. So each job
+# carries the process's cache directory at the job, and the worker compiles into it. The worker
+# takes nothing else: Triton reads ptxas's version into its keys once per process, so a worker
+# that followed TRITON_PTXAS_PATH would key its kernels by torch's ptxas where the process may still
+# key them by the one it read first (on an H200, a worker following every TRITON_ variable gave one
+# such mismatch in the four jobs after torch.compile's call, and the workers were given up; where
+# the workers start only after torch.compile moved the path, the same mismatch can happen, and the
+# warning says so). `python bench/compile_workers.py` on an
+# H200 (cold flexfa training calls, a torch.compile'd FlexAttention call, then flexfa calls with
+# new kernels): with the cache directory followed, none of the later kernels went to the old
+# directory; before, 8 entries did, each compiled again by the process. A worker that fails or
+# exits is replaced, and after `_MAX_FAILURES` failures the workers are given up too, with a
+# warning. Workers start at the first background compile (all of them at once: each takes about as
+# long to start as importing Triton) and end with the process. FLEXFA_COMPILE_WORKERS sets their
+# number (0: compile on the pool threads, as before). The workers have run in tests on the CPU
+# (tests/codegen/triton/test_compile_workers.py: a worker's kernel is the one the process then
+# loads, also after its cache directory moved); the GPU test of a cold training step is
+# tests/codegen/triton/test_gpu.py.
 """
 
 from __future__ import annotations
@@ -83,6 +98,8 @@ class Job:
     attrs: dict
     options: dict
     target: Any  # triton's GPUTarget
+    # Triton's cache directory in the asking process at the job; the worker compiles into it.
+    cache_dir: str | None = None
 
     def message(self) -> dict:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -290,6 +307,7 @@ def job_for(kernel: Any, hook_kwargs: dict) -> Job | None:
         attrs=compile_args["configs"][0],
         options=options,
         target=driver.active.get_current_target(),
+        cache_dir=_triton_cache_dir(),
     )
 
 

@@ -73,6 +73,48 @@ def test_a_workers_kernel_is_the_one_the_process_loads(triton_cache) -> None:
         pool.close()
 
 
+def test_a_moved_cache_directory_reaches_the_workers(triton_cache, tmp_path, monkeypatch) -> None:
+    """Note [Compile workers]: a job carries the asking process's Triton cache directory as it is
+    at the job (torch.compile moves it to Inductor's when it first compiles), so the worker
+    compiles into the directory the process now reads, and the process only loads the kernel."""
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    kl = _preprocess_launch()
+    target = GPUTarget("cuda", 90, 32)
+    module = __import__("sys").modules[kl.kernel.fn.__module__]
+    pool = workers._Pool(1)  # started with the first cache directory
+    try:
+        moved = tmp_path / "moved"
+        monkeypatch.setenv("TRITON_CACHE_DIR", str(moved))
+        monkeypatch.setattr(knobs.cache, "dir", str(moved))
+        src, options = _specialized_source(kl, target)
+        job = workers.Job(
+            source=module.__loader__.get_source(module.__name__),
+            filename=module.__file__,
+            module=module.__name__,
+            kernel=kl.kernel.fn.__name__,
+            signature=src.signature,
+            constexprs=src.constants,
+            attrs=src.attrs,
+            options=options,
+            target=target,
+            cache_dir=workers._triton_cache_dir(),
+        )
+        assert job.cache_dir == str(moved)
+        answer = pool.run(job)
+        assert answer is not None and answer["ok"], answer
+        written = _entries(moved)
+        assert written, "the worker compiled into the cache directory it started with"
+        assert not _entries(triton_cache), "the worker wrote into the directory the process left"
+        compiled = triton.compile(src, target=target, options=options)
+        assert compiled.hash == answer["hash"]
+        assert _entries(moved) == written, "the process compiled the kernel again"
+    finally:
+        pool.close()
+
+
 def test_a_failed_job_is_reported_and_the_worker_stays(triton_cache) -> None:
     from triton.backends.compiler import GPUTarget
 
