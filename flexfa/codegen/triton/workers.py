@@ -31,10 +31,10 @@
 # key them by the one it read first (on an H200, a worker following every TRITON_ variable gave one
 # such mismatch in the four jobs after torch.compile's call, and the workers were given up; where
 # the workers start only after torch.compile moved the path, the same mismatch can happen, and the
-# warning says so). `python bench/compile_workers.py` on an
-# H200 (cold flexfa training calls, a torch.compile'd FlexAttention call, then flexfa calls with
-# new kernels): with the cache directory followed, none of the later kernels went to the old
-# directory; before, 8 entries did, each compiled again by the process. A worker that fails or
+# warning says so). `python bench/compile_workers.py` on an H200 (cold flexfa training calls, a
+# torch.compile'd FlexAttention call, then flexfa calls with new kernels): with the cache directory
+# followed, none of the later kernels went to the old directory; before, 8 entries did, each
+# compiled again by the process. A worker that fails or
 # exits is replaced, and after `_MAX_FAILURES` failures the workers are given up too, with a
 # warning. Workers start at the first background compile (all of them at once: each takes about as
 # long to start as importing Triton) and end with the process. FLEXFA_COMPILE_WORKERS sets their
