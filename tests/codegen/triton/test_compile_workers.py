@@ -37,14 +37,12 @@ def _preprocess_launch():
     return next(kl for kl in launches if "preprocess" in kl.name)
 
 
-def test_a_workers_kernel_is_the_one_the_process_loads(triton_cache) -> None:
-    import triton
-    from triton.backends.compiler import GPUTarget
+def _job(kl, target, **extra) -> tuple[workers.Job, object, dict]:
+    """A worker's job for the launch `kl` on `target`, with its Triton source and options."""
+    import sys
 
-    kl = _preprocess_launch()
-    target = GPUTarget("cuda", 90, 32)
     src, options = _specialized_source(kl, target)
-    module = __import__("sys").modules[kl.kernel.fn.__module__]
+    module = sys.modules[kl.kernel.fn.__module__]
     job = workers.Job(
         source=module.__loader__.get_source(module.__name__),
         filename=module.__file__,
@@ -55,7 +53,18 @@ def test_a_workers_kernel_is_the_one_the_process_loads(triton_cache) -> None:
         attrs=src.attrs,
         options=options,
         target=target,
+        **extra,
     )
+    return job, src, options
+
+
+def test_a_workers_kernel_is_the_one_the_process_loads(triton_cache) -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    kl = _preprocess_launch()
+    target = GPUTarget("cuda", 90, 32)
+    job, src, options = _job(kl, target)
     pool = workers._Pool(1)
     try:
         answer = pool.run(job)
@@ -83,25 +92,12 @@ def test_a_moved_cache_directory_reaches_the_workers(triton_cache, tmp_path, mon
 
     kl = _preprocess_launch()
     target = GPUTarget("cuda", 90, 32)
-    module = __import__("sys").modules[kl.kernel.fn.__module__]
     pool = workers._Pool(1)  # started with the first cache directory
     try:
         moved = tmp_path / "moved"
         monkeypatch.setenv("TRITON_CACHE_DIR", str(moved))
         monkeypatch.setattr(knobs.cache, "dir", str(moved))
-        src, options = _specialized_source(kl, target)
-        job = workers.Job(
-            source=module.__loader__.get_source(module.__name__),
-            filename=module.__file__,
-            module=module.__name__,
-            kernel=kl.kernel.fn.__name__,
-            signature=src.signature,
-            constexprs=src.constants,
-            attrs=src.attrs,
-            options=options,
-            target=target,
-            cache_dir=workers._triton_cache_dir(),
-        )
+        job, src, options = _job(kl, target, cache_dir=workers._triton_cache_dir())
         assert job.cache_dir == str(moved)
         answer = pool.run(job)
         assert answer is not None and answer["ok"], answer
