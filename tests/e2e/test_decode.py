@@ -532,16 +532,15 @@ def test_decode_replays_in_a_cuda_graph(options):
         (1, False, 4, 3),
         (4, False, 4, 3),
         (16, False, 4, 3),
-        (1, True, 4, 4),
-        (4, True, 4, 4),
+        (1, True, 2, 3),
+        (4, True, 2, 3),
         (16, True, 2, 4),
     ],
 )
 def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, splits, stages):
     """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): one
-    wave for every row tile, of two programs per SM, or of one for 64-row tiles where every tile
-    is full (4 stages); tiles under 64 rows run 4 stages deep where every tile is full, else 3,
-    as measured."""
+    wave for every row tile, of two programs per SM, or of one where every tile is full: 16-row
+    tiles of 128 keys 3 stages deep, 64-row tiles of 64 keys 4 deep, as measured."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
@@ -551,7 +550,25 @@ def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, split
     cfg = decode.default_config(spec, (9, 0), 32768 // 128, 1, dense_lists=dense)
     assert (cfg.num_splits, cfg.num_stages) == (splits, stages), cfg
     assert cfg.block_m == max(16, 4 * len_q)
+    assert cfg.block_n == (128 if dense and len_q < 16 else 64)
     assert cfg.dense
+
+
+def test_narrower_decode_tiles_keep_two_programs_per_sm(monkeypatch):
+    """Note [Decode configs]: 16-row tiles of a whole cache run one per SM with 128-key tiles;
+    given 64-key tiles (kernel_options, or a BlockMask of 64-key blocks) they keep the launch
+    measured for those: 4 stages, two programs per SM (4 splits at B * Hkv = 64)."""
+    from flexfa.api import build_spec
+
+    monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)
+    q = torch.empty(8, 32, 1, 128, dtype=torch.bfloat16)
+    k = v = torch.empty(8, 8, 32768, 128, dtype=torch.bfloat16)
+    narrow = flexfa.create_block_mask(flexfa.masks.noop_mask, None, None, 1, 32768, BLOCK_SIZE=64)
+    for opts, mask in (({"decode_block_n": 64}, None), ({}, narrow)):
+        spec = build_spec(q, k, v, None, mask, enable_gqa=True, kernel_options=opts)
+        blocks = 32768 // spec.block_mask.block_size.kv
+        cfg = decode.default_config(spec, (9, 0), blocks, 1, dense_lists=True)
+        assert (cfg.block_n, cfg.num_splits, cfg.num_stages) == (64, 4, 4), (opts, cfg)
 
 
 @pytest.mark.parametrize("len_q", [1, 16])
