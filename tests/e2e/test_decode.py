@@ -534,13 +534,14 @@ def test_decode_replays_in_a_cuda_graph(options):
         (16, False, 4, 3),
         (1, True, 2, 3),
         (4, True, 2, 3),
+        (8, True, 2, 3),
         (16, True, 2, 4),
     ],
 )
 def test_decode_splits_fill_one_wave_of_an_h200(monkeypatch, len_q, dense, splits, stages):
     """Note [Decode configs] on an sm90 device of 132 SMs (B=8, Hq=32, Hkv=8, 32k keys): one
-    wave for every row tile, of two programs per SM, or of one where every tile is full: 16-row
-    tiles of 128 keys 3 stages deep, 64-row tiles of 64 keys 4 deep, as measured."""
+    wave for every row tile, of two programs per SM, or of one where every tile is full: 16- and
+    32-row tiles of 128 keys 3 stages deep, 64-row tiles of 64 keys 4 deep, as measured."""
     from flexfa.api import build_spec
 
     monkeypatch.setattr(decode_configs, "_num_sms", lambda device: 132)

@@ -364,9 +364,9 @@ def _prepare(
 # at 64k keys against 309-312, and tied at 128k. So "auto" (the default of
 # kernel_options["decode_dense"]) takes the dense walk on sm_90 and later everywhere but for row
 # tiles under 64 rows of a paged cache (whose listed walk measured as fast: Note [Decode
-# configs]), and tiles under 64 rows whose walk is dense take that launch shape (but for 16-row
-# tiles of a contiguous 16-bit cache whose every tile is full, which now run 128-key tiles one
-# program per SM: Note [Decode configs]). Older GPUs keep the listed walk 2 stages deep, 38.9 KB
+# configs]), and tiles under 64 rows whose walk is dense take that launch shape (but for those of
+# a contiguous 16-bit cache whose every tile is full, which now run 128-key tiles one program per
+# SM: Note [Decode configs]). Older GPUs keep the listed walk 2 stages deep, 38.9 KB
 # (Lq=1) and 81.9 KB (Lq=16) as before: 3 stages of 64-row tiles (114.7 KB) exceed the ~100 KB of
 # shared memory of sm_86 and sm_89.
 

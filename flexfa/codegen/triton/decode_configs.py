@@ -83,16 +83,16 @@ def default_config(
         # Note [Dense decode]: measured on sm_90, whose shared memory holds its deeper pipeline;
         # row tiles under 64 rows of a paged cache keep the listed walk.
         dense = capability is None or (hopper and (block_m >= 64 or spec.paged is None))
-    # A contiguous 16-bit cache whose every tile is full, walked dense on sm_90 and later: 16-row
-    # and 64-row tiles run one program per SM (Note [Decode configs]).
+    # A contiguous 16-bit cache whose every tile is full, walked dense on sm_90 and later: its row
+    # tiles run one program per SM (Note [Decode configs]).
     whole = hopper and dense and dense_lists and spec.paged is None and not one_byte
     if capability is None:
         block_n, warps, stages = 16, 4, 1
     else:
         # Note [Decode configs]: fp8 K/V take tiles of twice the keys, the same bytes per tile;
-        # so do 16-row tiles of a whole cache.
+        # so do row tiles under 64 rows of a whole cache.
         page = spec.paged.page_size if spec.paged is not None else 128
-        block_n = 128 if (one_byte and page % 128 == 0) or (whole and block_m == 16) else 64
+        block_n = 128 if (one_byte and page % 128 == 0) or (whole and block_m < 64) else 64
         warps = 4 if block_m <= 64 else 8
         # fp8 tiles on Hopper: a deeper pipeline (5 stages; Note [Decode configs]).
         stages = 5 if one_byte and capability[0] >= 9 else 3
@@ -101,8 +101,8 @@ def default_config(
     # Note [Decode configs]: on sm_90 and later, row tiles under 64 rows run 4 stages deep where
     # they walk dense (no page table) or hold fp8, else 3; two programs per SM, as the larger
     # tiles. Older GPUs run 2 stages (Note [Block ids a tile ahead] in decode.py). A whole cache
-    # runs 64-row tiles 4 stages deep and 16-row tiles of 128 keys 3 deep, one program per SM.
-    one_per_sm = whole and (block_m == 64 or (block_m == 16 and block_n == 128))
+    # runs 64-row tiles 4 stages deep and smaller ones with 128 keys 3 deep, one program per SM.
+    one_per_sm = whole and (block_m == 64 or (block_m < 64 and block_n == 128))
     if one_per_sm:
         stages = 4 if block_m == 64 else 3
     elif hopper and block_m < 64:
@@ -186,17 +186,21 @@ def default_config(
 # 32k, 1121-1288 at 128k, against 265 and 983) and keep the other. Row tiles of 16 rows padded to
 # 64 (kernel_options {"decode_block_m": 64}) with either launch stayed within 1% of the defaults
 # for Lq=1 and 4, so smaller row groups keep their 16-row tiles.
-# 16-row tiles of such a cache (Lq=1 and 4 with a GQA group of 4) run one program per SM as well,
-# with 128-key tiles 3 stages deep (139.3 KB of shared memory on sm_90, so one program fits; two
-# programs of 64-key tiles 4 stages deep held 104.4 KB each): on an H200 (B=8, Hq=32, Hkv=8, D=128, bf16; `python
-# bench/decode_host.py --lkv 4096,32768,131072 --lq 1,4 --rounds 5 --variants '[{},
-# {"decode_block_n": 64}]'`, the second the launch before, best of five interleaved rounds; GPU
-# time in CUDA graphs) Lq=1 took 48.7 us at 4k keys, 252.0 at 32k and 937.4 at 128k against 49.9,
-# 253.0 and 947.8, Lq=4 49.3, 252.1 and 938.7 against 50.6, 254.6 and 952.3; the eager step at
-# 128k keys went from 0.99x to 1.00x SDPA (935.5 against 937.2 us), and an earlier run timed
-# the same launch at 956.5 against 970.6 (SDPA 959.7). With 64-key tiles at that launch (2 splits,
-# 4 stages) Lq=4 lost at 128k keys (978.6 us), so only 128-key tiles take it: a BlockMask of
+# 16-row and 32-row tiles of such a cache (Lq=1, 4 and 8 with a GQA group of 4) run one program per
+# SM as well, with 128-key tiles 3 stages deep (139.3 KB of shared memory for 16-row tiles on sm_90,
+# so one program fits; two programs of 64-key tiles 4 stages deep held 104.4 KB each): on an H200
+# (B=8, Hq=32, Hkv=8, D=128, bf16; `python bench/decode_host.py --lkv 4096,32768,131072 --lq 1,4
+# --rounds 5 --variants '[{}, {"decode_block_n": 64}]'`, the second the launch before, best of five
+# interleaved rounds; GPU time in CUDA graphs) Lq=1 took 48.7 us at 4k keys, 252.0 at 32k and 937.4
+# at 128k against 49.9, 253.0 and 947.8, Lq=4 49.3, 252.1 and 938.7 against 50.6, 254.6 and 952.3;
+# the eager step at 128k keys went from 0.99x to 1.00x SDPA (935.5 against 937.2 us), and an earlier
+# run timed the same launch at 956.5 against 970.6 (SDPA 959.7). With 64-key tiles at that launch (2
+# splits, 4 stages) Lq=4 lost at 128k keys (978.6 us), so only 128-key tiles take it: a BlockMask of
 # 64-key blocks, or kernel_options {"decode_block_n": 64}, keeps the launch measured for those.
+# 32-row tiles (Lq=8) with that launch took 257.7 us at 32k keys and 979.6 at 128k against 264.9 and
+# 1000.4 with 64-key tiles 4 stages deep, two programs per SM (`--lkv 32768,131072 --lq 8 --rounds 3
+# --variants '[{}, {"decode_block_m": 32, "decode_block_n": 128, "decode_num_stages": 3,
+# "decode_splits": 2}]'`, another H200).
 # Loading the dense walk's K and V tiles by TMA (2-D tensor descriptors made per call) was also
 # timed on the H200: the same GPU time within 0.5% at every Lq and length above, and 30-60 us more
 # host time per call for the descriptors Triton's launcher encodes, so the pointer loads stay.
