@@ -73,11 +73,11 @@ def stub_launches() -> None:
 
     try_call = launch.DirectLaunch.try_call
 
-    def stubbed(self, grid, args):
-        if try_call(self, grid, args):
+    def stubbed(self, grid, args, **options):
+        if try_call(self, grid, args, **options):
             return True
         self._by_specialization[launch._specialization(args, 0)] = NoLaunch()  # "compiled" now
-        return try_call(self, grid, args)
+        return try_call(self, grid, args, **options)
 
     launch.DirectLaunch.try_call = stubbed
 

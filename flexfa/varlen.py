@@ -343,6 +343,14 @@ _mask_twins: collections.OrderedDict[tuple, tuple[TracedMod | None, TracedMod]] 
 )
 _MASK_TWINS_KEPT = 16
 _mask_twins_lock = threading.Lock()
+_UNTRACED = object()  # `_Packed.inner`: no trace for this device yet
+
+# Note [One inner trace for every device]
+# A packed call traces the user's mask_mod twice, once for the BlockMask's trace (no device) and
+# once for its builder (the grid's device), each a trace-cache lookup that fingerprints the mod.
+# A trace that captures no tensor holds nothing of a device (its IR is device-free, and a mod
+# that made a tensor would have captured it), so `_Packed.inner` gives that trace for every device
+# and traces again only a mod that captures tensors, whose devices the builder checks.
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -368,10 +376,17 @@ class _Packed:
     def inner(self, device: torch.device | None) -> TracedMod | None:
         """The user's mask_mod traced for `device` (None: no mask), kept for this packed call."""
         key = str(device)
-        if key not in self._inners:
-            found = None if self.mod is None else trace(self.mod, "mask_mod", device=device)
+        found = self._inners.get(key, _UNTRACED)
+        if found is _UNTRACED:
+            other = next(iter(self._inners.values()), _UNTRACED)
+            if other is None or (other is not _UNTRACED and not other.tensors):
+                found = other  # Note [One inner trace for every device]
+            elif self.mod is not None:
+                found = trace(self.mod, "mask_mod", device=device)
+            else:
+                found = None
             self._inners[key] = found
-        return self._inners[key]
+        return found
 
     def trace(self, fn: Callable[..., Any], kind: str, device: torch.device | None):
         """The trace of `fn` from its twin's (Note [Packed batches without retracing])."""

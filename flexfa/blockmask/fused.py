@@ -72,8 +72,9 @@ log = logging.getLogger("flexfa")
 
 @functools.lru_cache(maxsize=1)
 @functools.lru_cache(maxsize=1)
+@functools.lru_cache(maxsize=1)
 def available() -> bool:
-    """Whether Triton can be imported."""
+    """Whether Triton can be imported (asked once)."""
     try:
         import triton  # noqa: F401
     except ImportError:

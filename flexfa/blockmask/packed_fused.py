@@ -249,7 +249,7 @@ def build(
     )  # fmt: skip
     launch_grid = (nq + nkv + positions.blocks(pos_q) + positions.blocks(pos_kv), H)
     kernel = k.kernel
-    if not direct_default(kernel, constexprs).try_call(launch_grid, args):
+    if not direct_default(kernel, constexprs).try_call(launch_grid, args, new_ints=True):
         fast_key = (id(kernel), str(grid.device), *constexprs.values(), specialization(args))
         label = f"packed block lists of {name}"
         warm = lambda: kernel.warmup(*args, grid=launch_grid, **constexprs)

@@ -243,6 +243,39 @@ def test_packed_traces_equal_a_trace_and_are_not_retraced(inner):
     assert traces.misses == misses
 
 
+def test_an_inner_mask_without_captures_is_traced_once_for_every_device(monkeypatch):
+    """Note [One inner trace for every device]: a packed call looks the user's mask_mod up once
+    when it captures no tensor (its trace serves the BlockMask's trace and the builder's device),
+    and once per device when it does."""
+    import flexfa.varlen as varlen
+
+    calls = []
+    real = varlen.trace
+
+    def counting(fn, kind, *, device=None):
+        calls.append((fn, device))
+        return real(fn, kind, device=device)
+
+    monkeypatch.setattr(varlen, "trace", counting)
+    lens = [5, 0, 9, 1]
+    cu = _offsets(lens)
+    ids = torch.tensor([0] * 8 + [1] * 7)
+
+    def same_half(b, h, q_idx, kv_idx):
+        return ids[q_idx] == ids[kv_idx]
+
+    for inner, traces_wanted in ((fm.causal, 1), (same_half, 2)):
+        calls.clear()
+        pack = packing(cu.clone(), cu.clone(), 15, 15, _CPU)
+        _, mask = packed_mods(None, inner, pack, 2)
+        bm = flexfa.create_block_mask(mask, 1, None, 15, 15, BLOCK_SIZE=4)
+        user = [device for fn, device in calls if fn is inner]
+        assert len(user) == traces_wanted, (inner, calls)
+        want = oracle.expected_states(mask, 1, 1, 15, 15, BlockSize.of(4))
+        got = oracle.states_of(bm, 1, 1)
+        assert torch.equal(got, want), oracle.describe_mismatch(got, want)
+
+
 _WINDOW = 3  # read by `_windowed`, changed by the test below
 
 

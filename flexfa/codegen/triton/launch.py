@@ -482,19 +482,28 @@ class DirectLaunch:
             self._remember(key, compiled)
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)  # it indexes 3 dims
 
-    def try_call(self, grid: tuple[int, ...], args: list | tuple) -> bool:
+    def try_call(
+        self, grid: tuple[int, ...], args: list | tuple, *, new_ints: bool = False
+    ) -> bool:
         """Launch directly if this specialization was launched through this object before;
-        otherwise launch nothing and return False."""
+        otherwise launch nothing and return False. `new_ints`: the integer arguments are new at
+        almost every call (a packed batch's lengths), so look the specialization up at once,
+        without the fingerprint that would not be found."""
         if self._constexpr_values is None or config.triton_interpret:
             return False
         device = torch.cuda.current_device()
-        key = _fingerprint(args, device)
-        compiled = self._compiled.get(key)
-        if compiled is None:
+        if new_ints:
             compiled = self._by_specialization.get(_specialization(args, device))
             if compiled is None:
                 return False
-            self._remember(key, compiled)
+        else:
+            key = _fingerprint(args, device)
+            compiled = self._compiled.get(key)
+            if compiled is None:
+                compiled = self._by_specialization.get(_specialization(args, device))
+                if compiled is None:
+                    return False
+                self._remember(key, compiled)
         compiled[(*grid, 1, 1)[:3]](*args, *self._constexpr_values)
         return True
 
@@ -541,19 +550,15 @@ def _fingerprint(args: list | tuple, device: int) -> tuple:
     )
 
 
-def _int_class(a: int) -> tuple[bool, bool, bool, bool]:
-    """What Triton specializes an integer argument on: equal to 1, divisible by 16, and its type
-    (i32, i64 or u64). Lengths that change from call to call share a class, and a kernel."""
-    return (a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63)
-
-
 def _specialization(args: list | tuple, device: int) -> tuple:
     """What Triton's specialization of a launch on the current GPU `device` depends on, exactly
-    (Note [Direct launches])."""
+    (Note [Direct launches]). An integer's class is what Triton specializes it on: equal to 1,
+    divisible by 16, and its type (i32, i64 or u64), written out rather than called per integer;
+    lengths that change from call to call share a class, and a kernel."""
     return (
         device,
         *[
-            _int_class(a)
+            (a == 1, a % 16 == 0, -0x80000000 <= a <= 0x7FFFFFFF, a >= 1 << 63)
             if type(a) is int
             else a
             if type(a) is bool

@@ -186,3 +186,21 @@ def test_try_call_launches_only_a_known_specialization(compiled_mode):
     assert [e[0] for e in jit.log] == ["jit", "direct"] and jit.log[1][3][1] == 4096
     with config.override(triton_interpret=True):
         assert not dl.try_call((4,), [x, 32, 0.5])
+
+
+def test_try_call_with_new_ints_looks_up_the_specialization_alone(compiled_mode):
+    """`try_call(..., new_ints=True)` (a packed batch's lengths, new at every call) launches a
+    known specialization without computing or keeping argument fingerprints, and still launches
+    nothing for an unknown one."""
+    jit = FakeJit()
+    dl = DirectLaunch(jit, {"BLOCK": 64, "EVEN": True}, num_warps=4, num_stages=2)
+    x = torch.zeros(64)
+    assert not dl.try_call((1,), [x, 48, 0.5], new_ints=True) and jit.log == []
+    dl((1,), [x, 32, 0.5])  # through the JIT function: one fingerprint kept
+    kept = dict(dl._compiled)
+    for n in (4096, 160, 8192):
+        assert dl.try_call((2,), [x, n, 0.5], new_ints=True)
+    assert not dl.try_call((2,), [x, 33, 0.5], new_ints=True)  # another class
+    assert dl._compiled == kept
+    assert [e[0] for e in jit.log] == ["jit", "direct", "direct", "direct"]
+    assert [e[3][1] for e in jit.log[1:]] == [4096, 160, 8192]
