@@ -424,7 +424,10 @@ def launch_default(
 # same on a GPU.
 # Every launch takes this path after its first (logged) one: `launch` keeps a `DirectLaunch` per
 # kernel, options and constexprs (`_fast_key`); the decode path keeps its own in its cached plan,
-# which also spares it building `KernelLaunch` records (Note [Decode host time]). On the H200 a
+# which also spares it building `KernelLaunch` records (Note [Decode host time]). The packed
+# block-list kernel's integers (a batch's lengths) are new at almost every call, so its launches
+# ask for the specialization alone (`try_call(..., new_ints=True)`), without a fingerprint that
+# would not be found and would push the kept ones out. On the H200 a
 # direct launch cost about 28 us of host time less than Triton's path (docs/performance.md).
 class DirectLaunch:
     """Launch one Triton kernel with fixed constexprs and options, skipping `JITFunction.run`'s
