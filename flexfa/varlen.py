@@ -378,13 +378,13 @@ class _Packed:
         key = str(device)
         found = self._inners.get(key, _UNTRACED)
         if found is _UNTRACED:
-            other = next(iter(self._inners.values()), _UNTRACED)
-            if other is None or (other is not _UNTRACED and not other.tensors):
-                found = other  # Note [One inner trace for every device]
-            elif self.mod is not None:
-                found = trace(self.mod, "mask_mod", device=device)
-            else:
+            other = next(iter(self._inners.values()), None)
+            if self.mod is None:
                 found = None
+            elif other is not None and not other.tensors:
+                found = other  # Note [One inner trace for every device]
+            else:
+                found = trace(self.mod, "mask_mod", device=device)
             self._inners[key] = found
         return found
 

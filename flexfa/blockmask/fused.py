@@ -71,8 +71,6 @@ log = logging.getLogger("flexfa")
 
 
 @functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
-@functools.lru_cache(maxsize=1)
 def available() -> bool:
     """Whether Triton can be imported (asked once)."""
     try:
