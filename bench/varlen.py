@@ -20,6 +20,8 @@ kernels are compiled), and torch's `create_block_mask` of the same mask. flexfa'
 from the offsets of another batch each time (8 random lengths in 512-8192, as a training loop's
 batches come), which is what a packed batch costs in use; on a GPU also "new lengths on the host",
 the same with the offsets given on the CPU (Note [Offsets on the host] in flexfa/varlen.py).
+With the flexfa system it also times whole forward calls, each with the offsets of a new batch
+("new offsets, forward": ms per call, synchronized after each, so its host work counts in full).
 
     python bench/varlen.py [--systems flexfa,flexfa_concat,fa4,flex] [--flexfa-backend auto]
                            [--rep 100]
@@ -242,6 +244,35 @@ def main() -> None:
             rel_diff_vs_first=float((out - ref).norm() / ref.norm()),
         )
     if "flexfa" in fns:
+        # A packed call with the offsets of a new batch each time, as a training or serving loop
+        # makes them, forward under no_grad: ms per call with a synchronization after each, so
+        # that the host work before the kernels counts in full. Each batch keeps the longest
+        # length (8192) and the total of the lengths above, so the kernels are the same.
+        rest = total - max(LENGTHS)
+        calls = []
+        for _ in range(20 + a.builds):
+            cuts = sorted(torch.randint(0, rest + 1, (len(LENGTHS) - 2,), generator=gen).tolist())
+            lens = [max(LENGTHS), *(hi - lo for lo, hi in zip([0, *cuts], [*cuts, rest]))]
+            calls.append(
+                torch.tensor(
+                    [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev
+                )
+            )
+        call = lambda offsets: flexfa.attention(
+            q, k, v, block_mask=causal, cu_seqlens_q=offsets, cu_seqlens_kv=offsets,
+            backend=a.flexfa_backend,
+        )  # fmt: skip
+        times = []
+        with torch.no_grad():
+            for i, offsets in enumerate(calls):
+                sync()
+                t0 = time.perf_counter()
+                call(offsets)
+                sync()
+                if i >= 20:  # the first warm the caches
+                    times.append((time.perf_counter() - t0) * 1e3)
+        emit(system="flexfa", calls="new offsets, forward", ms=statistics.median(times),
+             min_ms=min(times))  # fmt: skip
         lines = flexfa.explain_backend(
             q, k, v, block_mask=causal, cu_seqlens_q=cu, cu_seqlens_kv=cu
         ).splitlines()

@@ -16,7 +16,7 @@ from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.mods import bind_heads
 from flexfa.paged import ensure_checked, validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
-from flexfa.varlen import PackedSequences, packed_mods, packing
+from flexfa.varlen import PackedSequences, deferred_block_mask, packed_mods, packing
 
 try:  # torch's own types where the installed torch has them, so results compare equal
     from torch.nn.attention.flex_attention import AuxOutput, AuxRequest
@@ -181,6 +181,8 @@ def attention(
             if len(_memo) >= _MEMO_SIZE:
                 _memo.pop(next(iter(_memo)))
             _memo[key] = (spec, impl, traced, block_mask)  # the objects whose ids are in the key
+    if packed is not None and impl.reads_packed_mods(spec):
+        spec.block_mask.materialize()  # Note [Block masks built on first read]
     if _triton_level < 2 and impl.name == "triton" and _on_cuda(q):
         _start_triton(q, k, v)  # Note [Triton's start-up]: not for fa4's calls
     out, lse, *rest = impl.run(spec, q, k, v)
@@ -439,10 +441,9 @@ def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
     packed_score, packed_mask = packed_mods(score_mod, block_mask, pack, q.shape[1])
     if compiling:
         return packed_score, packed_mask, None
-    # The BlockMask first: its kernel writes the positions with its lists, then nothing is left
-    # unwritten (Note [Positions written with the block lists] in flexfa/varlen.py).
-    packed_mask = resolve_block_mask(packed_mask, 1, q.shape[1], Lq, Lkv, q.device)
-    pack.fill()
+    # Built (with the positions) only for a backend that runs the concatenation (Note [Block
+    # masks built on first read] in flexfa/blockmask/block_mask.py).
+    packed_mask = deferred_block_mask(packed_mask, pack, q.shape[1], q.device)
     sequences = PackedSequences(
         pack.cu_q,  # on q's device (Note [Offsets on the host] in flexfa/varlen.py)
         pack.cu_kv,

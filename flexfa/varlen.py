@@ -61,17 +61,19 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # synchronization at all. `Packing.cu_q` and `cu_kv` are then those copies, which the kernels read.
 #
 # Note [Positions written with the block lists]
-# A packed call builds the BlockMask of its packed mask right away, and on a GPU that is one launch
-# of the packed block-list kernel (Note [Packed block masks in one kernel]). That kernel finds each
+# A packed call that runs the concatenation builds the BlockMask of its packed mask, and on a GPU
+# that is one launch of the packed block-list kernel (Note [Packed block masks in one kernel]). That kernel finds each
 # tile's sequences by the same binary search in the offsets as the positions kernel, so it can
 # write the positions too, in programs after those of its lists: one launch per new batch instead
 # of two (on the H200's host a launch through Triton's launcher, with its argument checks, was
 # about a fifth of a packed BlockMask's host time). So `packing(..., defer=True)` allocates
 # seq_* and pos_* without writing them (`Packing.unwritten`), and its caller, `_packed` in
-# flexfa/api.py, builds the BlockMask next and then calls `Packing.fill()`, which writes them if
-# nothing did. Every other path writes them before they can be read: the builder hook fills them
-# when its kernel did not run (the torch builder and the general path read them), `packing()`
-# without `defer` fills a cached packing it returns, and on the CPU nothing is deferred.
+# flexfa/api.py, gives the call a BlockMask whose build (`deferred_block_mask`: before any backend
+# that runs the concatenation runs, Note [Block masks built on first read]) then calls
+# `Packing.fill()`, which writes them if nothing did; FA4's varlen path reads neither. Every other
+# path writes them before they can be read: the builder hook fills them when its kernel did not
+# run (the torch builder and the general path read them), `packing()` without `defer` fills a
+# cached packing it returns, and on the CPU nothing is deferred.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ from typing import Any
 
 import torch
 
-from flexfa.blockmask.block_mask import BlockMask
+from flexfa.blockmask.block_mask import BlockMask, DeferredBlockMask
 from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
 
@@ -294,6 +296,37 @@ def packed_mods(
     score_mod = bind_heads(score_mod, num_heads)
     score = None if score_mod is None else _Packed(_packed_score, score_mod, pack).make()
     return score, _Packed(_packed_mask, block_mask, pack).make()
+
+
+def deferred_block_mask(
+    mask_mod: Callable[..., Any], pack: Packing, num_heads: int, device: torch.device
+) -> DeferredBlockMask:
+    """The BlockMask of a packed call's mask (`packed_mods`' second), built when first read or
+    when a backend runs the concatenation (Note [Block masks built on first read] in
+    flexfa/blockmask/block_mask.py). Its build also writes the packed positions, if nothing did."""
+    from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask
+    from flexfa.frontend.trace import trace_mask_mod
+
+    traced = trace_mask_mod(mask_mod, device=device)
+    total_q, total_kv = pack.offsets_q[-1], pack.offsets_kv[-1]
+
+    def build() -> BlockMask:
+        # Its kernel writes the positions with the lists (Note [Positions written with the
+        # block lists]); `fill` writes them where another builder ran.
+        bm = cached_block_mask(traced, 1, num_heads, total_q, total_kv, device)
+        pack.fill()
+        return bm
+
+    return DeferredBlockMask.of(
+        q_len=total_q,
+        kv_len=total_kv,
+        block_size=DEFAULT_BLOCK_SIZE,
+        mask=traced,
+        batch=1,
+        heads=num_heads if "h" in traced.variables else 1,
+        device=device,
+        build=build,
+    )
 
 
 def _packed_score(score_mod, seq_q, pos_q, seq_kv, pos_kv):

@@ -58,6 +58,14 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def supports(self, spec: AttentionSpec) -> Support: ...
 
+    def reads_packed_mods(self, spec: AttentionSpec) -> bool:
+        """Whether `run` runs a packed call (`spec.packed`) as one call on the concatenation, with
+        its rewritten mods and BlockMask (Note [Packed batches as mods] in flexfa/varlen.py), so
+        that its block lists and packed positions must be built first (Note [Block masks built
+        on first read]). A backend with a variable-length path of its own says False where it
+        takes that path."""
+        return True
+
     @abc.abstractmethod
     def run(
         self, spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor

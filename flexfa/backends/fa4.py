@@ -156,6 +156,14 @@ class Fa4Backend(Backend):
             return True
         return backend.mask_lowering(spec.mask, spec.len_q, spec.len_kv).native
 
+    def reads_packed_mods(self, spec: AttentionSpec) -> bool:
+        """Not on FA4's varlen kernels, which take the offsets and the user's own mods (Note
+        [Packed calls on FA4's varlen path])."""
+        from flexfa.codegen.cute import backend
+
+        lowering = backend.packed_lowering(spec)
+        return not (lowering is not None and lowering.native)
+
     def supports(self, spec: AttentionSpec) -> Support:
         """Whether fa4 runs `spec`, with notes on how; for a packed call, which of the two paths
         it takes (Note [Packed calls on FA4's varlen path])."""

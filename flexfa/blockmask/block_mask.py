@@ -24,6 +24,7 @@ import dataclasses
 import enum
 import functools
 import os
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -518,3 +519,92 @@ def _unchecked(cls: type, **fields: object):
 # BlockList and BlockMask (their `__post_init__`) and makes each view with one `as_strided`: a
 # packed batch builds its BlockMask anew at every batch, and on a 2-core CPU the checks, a split
 # and eight views took 30 us of the kernel path's 79 us per packed BlockMask (from_buffer: 17).
+
+
+# Note [Block masks built on first read]
+# A packed call (cu_seqlens_q, cu_seqlens_kv) needs the BlockMask of its concatenation only where
+# a backend runs the concatenation (Note [Packed batches as mods] in flexfa/varlen.py); FA4's
+# varlen kernels take the offsets and the user's own mods instead (Note [Packed calls on FA4's
+# varlen path] in flexfa/codegen/cute/backend.py), and read neither its block lists nor the
+# packed positions that the block-list kernel writes. Building them anyway was most of a packed
+# call's host work before the kernels. So `flexfa.attention` gives a packed call's spec a
+# `DeferredBlockMask`: what is known without building (lengths, block size, the traced mask, its
+# (B, H) dims and device) is set, and the four lists are built by the first read of any of them
+# (its `build` then also writes the positions), or by `attention` itself once the chosen backend
+# says it runs the concatenation (`Backend.reads_packed_mods`), before anything runs: no backend
+# ever reads positions that were not written. `dataclasses.replace`, a copy or a pickle builds the
+# lists first (the last two give a plain BlockMask).
+_LISTS = frozenset({"kv_partial", "kv_full", "q_partial", "q_full"})
+
+
+class DeferredBlockMask(BlockMask):
+    """A BlockMask whose block lists are built when first read (Note [Block masks built on first
+    read]). Make one with `DeferredBlockMask.of`; `build` is called at most once and must return
+    the BlockMask of the same lengths, block size, (B, H) dims and device."""
+
+    @staticmethod
+    def of(
+        *,
+        q_len: int,
+        kv_len: int,
+        block_size: BlockSize,
+        mask: TracedMod,
+        batch: int,
+        heads: int,
+        device: torch.device,
+        build: Callable[[], BlockMask],
+    ) -> DeferredBlockMask:
+        obj = object.__new__(DeferredBlockMask)
+        obj.__dict__.update(
+            q_len=q_len,
+            kv_len=kv_len,
+            block_size=block_size,
+            mask=mask,
+            tiles_from_mask=True,
+            _pending=(batch, heads, device, build, threading.Lock()),
+        )
+        return obj
+
+    @property
+    def built(self) -> bool:
+        """Whether the block lists exist yet."""
+        return "kv_partial" in self.__dict__
+
+    def materialize(self) -> None:
+        """Build the block lists now, if not yet."""
+        if self.built:
+            return
+        batch, heads, device, build, lock = self.__dict__["_pending"]
+        with lock:
+            if self.built:
+                return
+            bm = build()
+            got = (bm.q_len, bm.kv_len, bm.block_size, bm.batch, bm.heads, bm.device)
+            want = (self.q_len, self.kv_len, self.block_size, batch, heads, device)
+            if got != want:
+                raise AssertionError(f"deferred BlockMask built as {got}, announced as {want}")
+            self.__dict__.update({name: getattr(bm, name) for name in _LISTS})
+
+    def __getattr__(self, name: str):  # only for attributes not set: the lists before a build
+        if name in _LISTS and "_pending" in self.__dict__:
+            self.materialize()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    # (B, H) and device without a build; from the lists once built (or when made by
+    # `dataclasses.replace`, which passes every field and no `_pending`).
+    @property
+    def batch(self) -> int:
+        return self.kv_partial.count.shape[0] if self.built else self._pending[0]
+
+    @property
+    def heads(self) -> int:
+        return self.kv_partial.count.shape[1] if self.built else self._pending[1]
+
+    @property
+    def device(self) -> torch.device:
+        return self.kv_partial.count.device if self.built else self._pending[2]
+
+    def __reduce__(self):
+        self.materialize()
+        return (BlockMask, tuple(getattr(self, f.name) for f in dataclasses.fields(BlockMask)))

@@ -657,3 +657,43 @@ def test_batches_of_new_lengths_share_the_analysis_and_the_kernel_plan(monkeypat
             assert torch.equal(got, want), f"{lens}\n{oracle.describe_mismatch(got, want)}"
     assert len(made) <= 1 and len(analyzed) <= 1, (made, analyzed)
     assert all(g.q_len == g.kv_len == 512 for g in made + analyzed), (made, analyzed)
+
+
+def _masks_of_heads(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) | (h == 0)
+
+
+@pytest.mark.parametrize(("inner", "heads"), [(fm.sliding_window(9), 1), (_masks_of_heads, 4)])
+def test_a_deferred_block_mask_is_built_by_its_first_read(inner, heads):
+    """Note [Block masks built on first read]: a packed call's BlockMask tells its lengths, (B, H),
+    device and mask without a build; the first read of a list builds all four, once, equal to
+    create_block_mask's; `dataclasses.replace` and a copy build it first."""
+    import copy
+    import dataclasses
+
+    from flexfa.blockmask.block_mask import BlockMask, DeferredBlockMask
+    from flexfa.varlen import deferred_block_mask
+
+    lens = [20, 0, 35, 1, 12]
+    cu, total = _offsets(lens), sum(lens)
+
+    def deferred():
+        pack = packing(cu, cu, total, total, _CPU, defer=True)
+        return deferred_block_mask(packed_mods(None, inner, pack, 4)[1], pack, 4, _CPU)
+
+    before = packed.built["packed"]
+    bm = deferred()
+    assert isinstance(bm, DeferredBlockMask) and not bm.built
+    assert (bm.q_len, bm.kv_len, bm.batch, bm.heads, bm.device) == (total, total, 1, heads, _CPU)
+    assert (bm.num_q_blocks, bm.mask.kind) == (1, "mask_mod")
+    assert packed.built["packed"] == before, "built before a list was read"
+    count = bm.kv_partial.count
+    assert bm.built and packed.built["packed"] == before + 1
+    assert bm.q_full.index is not None and bm.kv_partial.count is count
+    assert packed.built["packed"] == before + 1, "built twice"
+    want = flexfa.create_block_mask(bm.mask, 1, 4, total, total)
+    _same_lists(bm, want, "deferred", kernel=False)
+    assert (bm.batch, bm.heads) == (want.batch, want.heads)
+    for made in (dataclasses.replace(deferred()), copy.copy(deferred())):
+        assert made.built if isinstance(made, DeferredBlockMask) else type(made) is BlockMask
+        _same_lists(made, want, type(made).__name__, kernel=False)

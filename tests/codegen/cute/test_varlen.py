@@ -473,3 +473,35 @@ def test_the_varlen_path_is_on_by_default_and_can_be_turned_off(monkeypatch) -> 
         assert not lowering.native and "FLEXFA_FA4_VARLEN=0" in lowering.reason
     with flexfa.config.override(fa4_varlen=True):
         assert backend.packed_lowering(spec).native
+
+
+def test_a_packed_call_on_the_varlen_path_builds_no_block_lists(monkeypatch, tmp_path):
+    """FA4's varlen kernels read neither the concatenation's block lists nor its packed positions
+    (Note [Block masks built on first read]): `flexfa.attention(backend="fa4")` builds neither,
+    where a backend that runs the concatenation builds both before it runs (here with the
+    block-list kernel, which writes the positions, through Triton's interpreter)."""
+    from flexfa.backends.base import Support
+    from flexfa.blockmask import packed as packed_builder
+
+    stand_in = _StandIn(None, num_captures=0)
+    _install(monkeypatch, stand_in)
+    monkeypatch.setattr(fa4.Fa4Backend, "_supports", lambda self, spec: Support.yes())
+    monkeypatch.setenv("FLEXFA_CACHE_DIR", str(tmp_path))
+    lens = [7, 0, 1, 12]
+    total = sum(lens)
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, total, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    ref, _ = per_sequence_reference(q, k, v, None, fm.causal, lens, lens)
+    cu = _offsets(lens)
+    call = dict(block_mask=fm.causal, cu_seqlens_q=cu, cu_seqlens_kv=cu)
+    built = packed_builder.built["packed"]
+    with flexfa.config.override(fused_block_mask="on"):
+        out = flexfa.attention(q, k, v, backend="fa4", **call)
+        assert stand_in.seen["fwd"][2] == {"causal": True}
+        assert packed_builder.built["packed"] == built, "block lists built for FA4"
+        pack = flexfa.varlen.packing(cu, cu, total, total, q.device, defer=True)  # the call's
+        assert pack.unwritten[0], "positions written for FA4"
+        torch.testing.assert_close(out, ref)
+        tiled = flexfa.attention(q, k, v, backend="tiled", **call)  # the same packing
+    assert packed_builder.built["packed"] == built + 1 and not pack.unwritten[0]
+    torch.testing.assert_close(tiled, ref)
