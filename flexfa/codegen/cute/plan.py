@@ -187,15 +187,53 @@ def lower_packed_mask(mask: TracedMod | None, shapes: Sequence[tuple[int, int]])
     return _cached_packed_lowering(mask, shapes)
 
 
+# Note [Allowed runs by powers of 2]
+# The proofs above evaluate the mask at every d of the lengths' range: O(len_q + len_kv) work for
+# each new pair of lengths, and a packed call brings new longest lengths with nearly every batch;
+# that evaluation was about 40% of the host work flexfa added to a packed call on FA4's varlen path
+# (2-core CPU, FA4's own entry point left out). A mask proven a function of d alone has the same
+# value at a d whatever the lengths, so for a mask that reads no tensor the run is found once over
+# the range of the next powers of 2 of the lengths, kept, and cut to the lengths' own range (two
+# intervals intersected): the answer their evaluation would give. Where the larger range is not
+# one run, or the mask is not proven a function of d on it, the lengths' range is evaluated as
+# before.
 def _allowed_run(mask: TracedMod, len_q: int, len_kv: int) -> tuple[int, int, int] | MaskLowering:
     """(first, last, count) over the q_idx - kv_idx of these lengths (index 0 is -(len_kv - 1))
     when the allowed ones form one run; else why the mask is not a band."""
+    if not mask.tensors:  # Note [Allowed runs by powers of 2]
+        span = _run_of_span(mask, 1 << (len_q - 1).bit_length(), 1 << (len_kv - 1).bit_length())
+        if span is not None:
+            d_min, d_max = -(len_kv - 1), len_q - 1
+            lo, hi = max(span[0], d_min), min(span[1], d_max)
+            if lo > hi:
+                return MaskLowering("mask_mod", reason=_NO_PAIR)
+            return lo - d_min, hi - d_min, d_max - d_min + 1
+    return _evaluated_run(mask, len_q, len_kv)
+
+
+@functools.lru_cache(maxsize=64)
+def _run_of_span(mask: TracedMod, span_q: int, span_kv: int) -> tuple[float, float] | None:
+    """The allowed d = q_idx - kv_idx of a mask of d alone over the range of these lengths, as
+    one run (lo, hi) (empty: lo > hi), or None when they are not one run or the mask is not
+    proven a function of d (Note [Allowed runs by powers of 2])."""
+    run = _evaluated_run(mask, span_q, span_kv)
+    if not isinstance(run, tuple):
+        return (math.inf, -math.inf) if run.reason == _NO_PAIR else None
+    first, last, _ = run
+    return first - (span_kv - 1), last - (span_kv - 1)
+
+
+_NO_PAIR = "the mask allows no pair"
+
+
+def _evaluated_run(mask: TracedMod, len_q: int, len_kv: int) -> tuple[int, int, int] | MaskLowering:
+    """`_allowed_run` by evaluating the mask at every d of these lengths."""
     allowed = allowed_distances(mask, len_q, len_kv)
     if allowed is None:
         return MaskLowering("mask_mod", reason="the mask is not a function of q_idx - kv_idx")
     hits = torch.nonzero(allowed).flatten()
     if hits.numel() == 0:
-        return MaskLowering("mask_mod", reason="the mask allows no pair")
+        return MaskLowering("mask_mod", reason=_NO_PAIR)
     first, last = int(hits[0]), int(hits[-1])
     if last - first + 1 != hits.numel():
         return MaskLowering("mask_mod", reason="the allowed q_idx - kv_idx are not one run")

@@ -95,6 +95,33 @@ def test_band_masks_lower_to_an_equal_native_mask(lo, width, len_q, len_kv):
     check(band, len_q, len_kv)  # asserts equality whenever it goes native
 
 
+@settings(max_examples=60, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(-300, 300), st.integers(0, 40)), min_size=0, max_size=2),
+    len_q=st.integers(1, 200),
+    len_kv=st.integers(1, 200),
+)
+def test_runs_of_the_powers_of_2_range_are_those_of_the_lengths_range(runs, len_q, len_kv):
+    """Note [Allowed runs by powers of 2]: the run cut from the range of the next powers of 2
+    equals the one evaluated over the lengths' own range, for masks of d = q_idx - kv_idx with
+    none, one or two runs of allowed d (inside, across or outside the lengths' range)."""
+    from flexfa.codegen.cute import plan
+
+    def mask(b, h, q_idx, kv_idx):
+        d = q_idx - kv_idx
+        ok = d != d
+        for lo, width in runs:
+            ok = ok | ((d >= lo) & (d <= lo + width))
+        return ok
+
+    traced = trace_mask_mod(mask)
+    got, want = plan._allowed_run(traced, len_q, len_kv), plan._evaluated_run(traced, len_q, len_kv)
+    if isinstance(want, tuple):
+        assert got == want, (runs, len_q, len_kv)
+    else:
+        assert not isinstance(got, tuple) and got.reason == want.reason, (runs, got, want)
+
+
 # -- document masks (Note [Document masks on FA4's varlen kernels]) ------------------------------
 
 _IDS = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2], [0, 1, 1, 1, 1, 1, 2, 3]])
