@@ -170,6 +170,92 @@ def test_a_repeated_decode_call_launches_its_specs_kernels(decode_calls):
     assert {key[0] for key in prep.by_spec[id(spec)].kernels} == {0, 4}
 
 
+class _Through:
+    """A direct launch that runs every launch it gets (through Triton's interpreter) and says, as
+    the GPU would, that it knows the compiled kernel (Note [Decode launches by spec])."""
+
+    def __init__(self, real, log):
+        self.real, self.log = real, log
+
+    def __call__(self, grid, args):
+        self.log.append("direct")
+        self.real(grid, args)
+
+    def compiled_for(self, args):
+        return ("kernel", args[0].data_ptr() & 15)
+
+    def call_compiled(self, compiled, grid, args):
+        self.log.append("known")
+        self.real(grid, args)
+
+
+@pytest.mark.parametrize("case", ["plain", "alibi_window", "paged", "separate_merge"])
+def test_repeated_decode_calls_fill_the_arguments_kept_for_their_spec(case, decode_calls):
+    """Note [Decode arguments by spec]: once a spec's kernels are known, a repeated call's
+    arguments are those kept from an earlier call with the call's own tensors put in. With every
+    launch run, each call with new query values gives the bits of the same call with every
+    argument built anew (a new spec: the memo off), and a q of other strides under the same spec
+    builds them again."""
+    from flexfa import api
+
+    g = torch.Generator().manual_seed(3)
+    opts = dict(INTERPRETER_TILES, decode_splits=2)
+    score = mask = None
+    if case == "paged":
+        _, kp, vp, table, kv_lens, _ = _paged_problem([37, 0, 64, 5], 16, len_q=1)
+        k, v = kp.float(), vp.float()
+        extra = dict(page_table=table, kv_lens=kv_lens)
+        B, Hq = 4, 4
+    else:
+        B, Hq = 2, 4
+        k, v = (torch.randn(B, 2, 75, 16, generator=g) for _ in range(2))
+        extra = {}
+    if case == "alibi_window":
+        score = flexfa.mods.alibi
+        mask = flexfa.create_block_mask(
+            flexfa.masks.sliding_window(20), B, Hq, 1, 75, BLOCK_SIZE=16
+        )
+    if case == "separate_merge":
+        opts = dict(INTERPRETER_TILES, decode_splits=3, decode_merge="separate")
+
+    def call(q, memo=True):
+        eligible = api._memo_eligible
+        if not memo:
+            api._memo_eligible = lambda *a: False
+        try:
+            with torch.no_grad():
+                return flexfa.attention(
+                    q, k, v, score, mask, enable_gqa=True, return_lse=True, backend="triton",
+                    kernel_options=opts, **extra,
+                )  # fmt: skip
+        finally:
+            api._memo_eligible = eligible
+
+    queries = [torch.randn(B, Hq, 1, 16, generator=g) for _ in range(6)]
+    call(queries[0])  # the first (logged) launches
+    spec, prep = list(decode._by_spec.values())[-1]
+    log = []
+    split, merge = prep.direct
+    prep.direct = (_Through(split, log), _Through(merge, log) if merge else None)
+    prep.by_spec, prep.last_spec = {}, None
+    kept = [call(q) for q in queries]
+    per = 2 if merge else 1  # launches per call
+    assert log == ["direct"] * 2 * per + ["known"] * 4 * per, log  # kept from the second repeat
+    # The same spec with a q of other strides: its arguments are built again.
+    strided = torch.randn(B, 1, Hq, 16, generator=g).transpose(1, 2)
+    log.clear()
+    with torch.no_grad():
+        out = decode.run(spec, strided, k, v)[0]
+    assert log == ["direct"] * per, log
+    assert out.transpose(1, 2).is_contiguous()  # Note [Output layout]: q's stride order
+    for q, got in zip([*queries, strided], [*kept, (out, None)], strict=True):
+        built = call(q, memo=False)  # a new spec each: every argument built
+        for name, a, b in zip(("out", "lse"), got, built):
+            assert a is None or torch.equal(a, b), (
+                f"{case}: {name} differs from the call built anew"
+            )
+
+
 @pytest.mark.parametrize(
     "mask_name, len_kv, paged, dense",
     [

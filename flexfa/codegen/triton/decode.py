@@ -475,8 +475,8 @@ def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
     return buf
 
 
-def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple[list, list | None]:
-    """The arguments of the split kernel and of the merge kernel (None: no merge kernel runs)."""
+def _buffers(spec: AttentionSpec, prep: _Prepared, q, lse) -> tuple:
+    """A call's partial outputs and LSE, and the fused merge's counters (`lse` where unused)."""
     if prep.part_size:
         buf = torch.empty(
             prep.part_size * (prep.plan.head_dim_v_pad + 1), dtype=torch.float32, device=q.device
@@ -488,23 +488,30 @@ def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple
         counters = _counter_buffer(q.device, spec.batch * spec.heads_kv * prep.tiles)
     else:
         counters = lse  # never touched
+    return out_part, lse_part, counters
+
+
+def _score_args(spec: AttentionSpec) -> list:
+    if spec.score_mod is None:
+        return []
+    return emit.mod_values(spec.score_mod, tuple(t.contiguous() for t in spec.score_mod.tensors))
+
+
+def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple[list, list | None]:
+    """The arguments of the split kernel and of the merge kernel (None: no merge kernel runs)."""
+    out_part, lse_part, counters = _buffers(spec, prep, q, lse)
     paged = spec.paged
     if paged is not None:
         page_args = [paged.page_table, paged.page_table.stride(0), paged.kv_lens]
     else:
         page_args = [lse, 0, lse]  # never read
-    score_args = (
-        emit.mod_values(spec.score_mod, tuple(t.contiguous() for t in spec.score_mod.tensors))
-        if spec.score_mod is not None
-        else []
-    )
     G = spec.group_size
     args = [
         q, k, v, out, lse, out_part, lse_part, counters,
         *q.stride(), *spec.kv_strides(k), *spec.kv_strides(v), *out.stride(), lse.stride(0),
         lse.stride(1), *prep.lists_args, *page_args,
         spec.len_q, spec.len_kv, spec.heads_kv, G, spec.scale,
-        *score_args, *prep.mask_args,
+        *_score_args(spec), *prep.mask_args,
     ]  # fmt: skip
     if not prep.part_size or prep.config.fused_merge:
         return args, None
@@ -586,11 +593,18 @@ def _run(
     spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     shape = (spec.batch, spec.heads_q, spec.len_q, spec.head_dim_v)
-    out = empty_like_query(q, shape)  # Note [Output layout]
+    prep = prepared(spec)
+    strides = _strides_of(spec, q, k, v)
+    entry = prep.by_spec.get(id(spec))
+    if entry is not None and (entry.spec is not spec or entry.strides != strides):
+        entry = None
+    if entry is not None:  # Note [Decode arguments by spec]
+        out = torch.empty_strided(shape, entry.out_strides, dtype=q.dtype, device=q.device)
+    else:
+        out = empty_like_query(q, shape)  # Note [Output layout]
     lse = torch.empty(spec.batch, spec.heads_q, spec.len_q, dtype=torch.float32, device=q.device)
     if q.stride(-1) != 1:
         q = q.contiguous()
-    prep = prepared(spec)
     if prep.direct is None:
         kls = launches(spec, q, k, v, out, lse)
         for kl in kls:
@@ -599,11 +613,13 @@ def _run(
         prep.direct = (direct[0], direct[1] if len(direct) > 1 else None)
         return out, lse
     # Note [Decode host time]: the same kernels, called directly.
-    args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
+    if entry is not None:
+        args, merge_args = entry.call_args(spec, prep, q, k, v, out, lse)
+    else:
+        args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
     grid = (prep.config.num_splits, spec.batch * spec.heads_kv, prep.tiles)
     split, merge = prep.direct
-    entry = prep.by_spec.get(id(spec))
-    if entry is not None and entry.spec is spec:  # Note [Decode launches by spec]
+    if entry is not None:  # Note [Decode launches by spec]
         known = entry.kernels.get(tuple([args[i].data_ptr() & 15 for i in entry.positions]))
         if known is not None:
             split.call_compiled(known[0], grid, args)
@@ -619,10 +635,10 @@ def _run(
     compiled = (split.compiled_for(args), merge.compiled_for(merge_args) if merge else None)
     if compiled[0] is None or (merge is not None and compiled[1] is None):
         return out, lse
-    if entry is None or entry.spec is not spec:
+    if entry is None:
         if len(prep.by_spec) >= _BY_SPEC_KEPT:
             prep.by_spec.clear()
-        entry = prep.by_spec[id(spec)] = _SpecLaunches(spec, _caller_tensors(args))
+        entry = prep.by_spec[id(spec)] = _SpecLaunches.of(spec, prep, strides, args, merge_args)
     entry.kernels[tuple([args[i].data_ptr() & 15 for i in entry.positions])] = compiled
     return out, lse
 
@@ -640,13 +656,78 @@ def _run(
 # step's host time on the H200's host. The tensors flexfa allocates for the call (out, LSE, the
 # partial outputs and the merge's counters) come from torch's caching allocator at offsets fixed
 # per `_Prepared`, so their alignment does not change.
+# Note [Decode arguments by spec]
+# The same entry keeps its calls' arguments: a split kernel takes about 40 (the call's tensors,
+# their strides, the lengths, the lists and their strides, the mods' values), and building them
+# with the output's layout (Note [Output layout]) was about a third of a repeated 4k decode step's
+# host work on the 2-core CPU. Given the spec, they depend on the strides of the caller's q, k and
+# v (and of the page table) alone: the rest is the spec's, its `_Prepared`'s, or flexfa's own
+# allocations of fixed layout. So the entry keeps the arguments of the call that made it, less
+# that call's tensors, with those strides and the output's; a later call with the same spec and
+# strides copies them and puts its own q, k, v, output, LSE, partial outputs, counters and the
+# score_mod's values (its captured tensors are made contiguous anew) in their places. A call with
+# other strides (a spec passed around by hand) builds every argument, as before.
 @dataclasses.dataclass(eq=False)
 class _SpecLaunches:
-    """The compiled kernels of one spec's calls, by the alignments of its caller's tensors."""
+    """The compiled kernels of one spec's calls, by the alignments of its caller's tensors, and
+    the arguments of those calls less their tensors (Note [Decode arguments by spec])."""
 
     spec: AttentionSpec  # kept: its id stays its own
     positions: tuple[int, ...]  # of the tensors flexfa did not allocate, in the split's arguments
+    strides: tuple  # q's, k's and v's (and the page table's) strides, which `args` hold
+    out_strides: tuple[int, ...]
+    args: list  # the split kernel's arguments, None where a call's tensors go
+    merge_args: list | None  # the merge kernel's, likewise (None: no merge kernel runs)
+    score_at: tuple[int, int]  # where the score_mod's values are in `args`
+    lse_at: tuple[int, ...]  # where `args` take the call's LSE beyond its own place
     kernels: dict[tuple, tuple] = dataclasses.field(default_factory=dict)
+
+    @staticmethod
+    def of(
+        spec: AttentionSpec, prep: _Prepared, strides: tuple, args: list, merge_args: list | None
+    ) -> _SpecLaunches:
+        """The entry of `spec` from one of its calls' arguments (`_call_args`'s), whose q, k and
+        v (as the caller gave them) had these `_strides_of`."""
+        out, lse = args[3], args[4]
+        # q, k, v, out, LSE, partials and counters are the call's; so is the LSE where it stands
+        # for arguments never read (the page table's of a contiguous cache).
+        template = [None] * 8 + [_LSE if a is lse else a for a in args[8:]]
+        end = len(args) - len(prep.mask_args)
+        return _SpecLaunches(
+            spec,
+            _caller_tensors(args),
+            strides,
+            out.stride(),
+            template,
+            None if merge_args is None else [None] * 4 + merge_args[4:],
+            (end - len(_score_args(spec)), end),
+            tuple(i for i, a in enumerate(template) if a is _LSE),
+        )
+
+    def call_args(self, spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse):
+        """`_call_args` of a call of `spec` with tensors of `strides`."""
+        out_part, lse_part, counters = _buffers(spec, prep, q, lse)
+        args = self.args.copy()
+        args[:8] = q, k, v, out, lse, out_part, lse_part, counters
+        for i in self.lse_at:
+            args[i] = lse
+        if spec.score_mod is not None:  # its tensors may be made contiguous anew
+            args[self.score_at[0] : self.score_at[1]] = _score_args(spec)
+        if self.merge_args is None:
+            return args, None
+        merge_args = self.merge_args.copy()
+        merge_args[:4] = out_part, lse_part, out, lse
+        return args, merge_args
+
+
+_LSE = object()  # `_SpecLaunches.args`: the call's LSE goes here
+
+
+def _strides_of(spec: AttentionSpec, q, k, v) -> tuple:
+    """What of a call's tensors `_SpecLaunches.args` depend on, besides its spec."""
+    paged = spec.paged
+    page = paged.page_table.stride() if paged is not None else None
+    return q.stride(), k.stride(), v.stride(), page
 
 
 def _caller_tensors(args: list) -> tuple[int, ...]:
