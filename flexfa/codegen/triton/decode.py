@@ -705,7 +705,7 @@ class _SpecLaunches:
         )
 
     def call_args(self, spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse):
-        """`_call_args` of a call of `spec` with tensors of `strides`."""
+        """`_call_args` of a call of `spec` whose q, k and v have this entry's `strides`."""
         out_part, lse_part, counters = _buffers(spec, prep, q, lse)
         args = self.args.copy()
         args[:8] = q, k, v, out, lse, out_part, lse_part, counters
