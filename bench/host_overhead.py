@@ -106,7 +106,7 @@ def decode_steps():
         launch._fingerprint(args, torch.cuda.current_device())
     )
     launch.DirectLaunch.compiled_for = lambda self, args: "compiled"
-    launch.DirectLaunch.call_compiled = lambda self, compiled, grid, args: None
+    launch.DirectLaunch.call_compiled = lambda self, compiled, grid, args, stream=None: None
     eligible = api._memo_eligible
 
     def step(fn, memo: bool):

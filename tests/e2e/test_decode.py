@@ -156,7 +156,7 @@ def test_a_repeated_decode_call_launches_its_specs_kernels(decode_calls):
         def compiled_for(self, args):
             return ("kernel", args[0].data_ptr() & 15)
 
-        def call_compiled(self, compiled, grid, args):
+        def call_compiled(self, compiled, grid, args, stream):
             assert compiled == ("kernel", args[0].data_ptr() & 15)
             log.append(("known", compiled[1]))
 
@@ -184,9 +184,45 @@ class _Through:
     def compiled_for(self, args):
         return ("kernel", args[0].data_ptr() & 15)
 
-    def call_compiled(self, compiled, grid, args):
+    def call_compiled(self, compiled, grid, args, stream):
         self.log.append("known")
         self.real(grid, args)
+
+
+@pytest.mark.parametrize("merge", ["fused", "separate"])
+def test_decode_calls_share_their_scratch_and_grow_it(merge, decode_calls):
+    """Note [Decode scratch per stream]: the splits' partial outputs (and the fused merge's
+    counters) of one thread's calls (a stream's, on a GPU) come from one kept buffer; a call of a
+    larger layout grows it, and a smaller call after it still gives its reference output."""
+    g = torch.Generator().manual_seed(4)
+    opts = dict(INTERPRETER_TILES, decode_splits=2, decode_merge=merge)
+    k, v = (torch.randn(3, 2, 75, 16, generator=g) for _ in range(2))
+    check = ThreeWay(torch.float32)
+    decode.clear_caches()
+
+    def call(batch, len_q, name):
+        q = torch.randn(batch, 4, len_q, 16, generator=g)
+        kb, vb = k[:batch], v[:batch]
+        with torch.no_grad():
+            out = flexfa.attention(
+                q, kb, vb, enable_gqa=True, backend="triton", kernel_options=opts
+            )
+        ref = reference_attention(q, kb, vb, enable_gqa=True)[0]
+        eager = reference_attention(q, kb, vb, enable_gqa=True, dtype=torch.float32)[0]
+        check(name, out, eager, ref)
+
+    call(1, 1, "small")
+    (first,) = decode._partials.values()
+    call(1, 1, "small again")
+    assert next(iter(decode._partials.values())) is first, "the same buffer, not a new one"
+    call(3, 16, "large")  # 3 x 2 KV heads x 2 splits x 32 rows x 17 floats: more than kept
+    (grown,) = decode._partials.values()
+    assert grown.numel() > first.numel()
+    call(1, 1, "small after the large")
+    check.assert_ok()
+    assert len(decode._partials) == 1 and len(decode_calls) == 4
+    assert len(decode._counters) == (merge == "fused")
+    assert all(int(c.count_nonzero()) == 0 for c in decode._counters.values())  # left at 0
 
 
 @pytest.mark.parametrize("case", ["plain", "alibi_window", "paged", "separate_merge"])
@@ -729,6 +765,75 @@ def test_repeated_decode_calls_with_moving_query_alignment_on_gpu():
     check.assert_ok()
     known = [e for p in decode._by_spec.values() for e in p[1].by_spec.values()]
     assert any(len(e.kernels) == 2 for e in known), "both alignments kept for one spec"
+
+
+@pytest.mark.gpu
+def test_decode_calls_on_two_streams_and_of_two_sizes_keep_their_scratch_apart():
+    """Note [Decode scratch per stream]: calls on two streams, enqueued back to back with nothing
+    in between, each use their stream's partial outputs and counters; a call of a larger layout
+    grows a stream's buffers while the smaller calls before it may still run. Every output
+    matches its reference."""
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(5)
+    k, v = (torch.randn(4, 2, 3000, 128, device=dev, dtype=dt, generator=g) for _ in range(2))
+    qs = [torch.randn(b, 8, 1, 128, device=dev, dtype=dt, generator=g) for b in (2, 2, 4, 2)]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    check = ThreeWay(dt)
+
+    def call(q):
+        return flexfa.attention(q, k[: q.shape[0]], v[: q.shape[0]], enable_gqa=True)
+
+    with torch.no_grad():
+        for q in qs:  # plans and kernels first
+            call(q)
+        torch.cuda.synchronize()
+        outs = []
+        for _ in range(3):
+            for i, q in enumerate(qs):
+                stream = streams[i % 2]
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    outs.append((q, call(q)))
+        torch.cuda.synchronize()
+    for i, (q, out) in enumerate(outs):
+        kb, vb = k[: q.shape[0]], v[: q.shape[0]]
+        ref = reference_attention(q, kb, vb, enable_gqa=True)[0]
+        eager = reference_attention(q, kb, vb, enable_gqa=True, dtype=dt)[0]
+        check(f"call {i}", out, eager, ref)
+    check.assert_ok()
+    assert all(int(c.count_nonzero()) == 0 for c in decode._counters.values())  # left at 0
+
+
+@pytest.mark.gpu
+def test_triton_launch_hooks_see_repeated_decode_launches():
+    """Note [Compiled launches]: a repeated decode call launches its kernels without Triton's
+    launch hooks while none is registered, and through Triton's own path, hooks called, once one
+    is; the outputs are the same bits either way."""
+    from triton import knobs
+
+    dev, dt = "cuda", torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(6)
+    k, v = (torch.randn(2, 2, 3000, 128, device=dev, dtype=dt, generator=g) for _ in range(2))
+    q = torch.randn(2, 8, 1, 128, device=dev, dtype=dt, generator=g)
+    seen = []
+
+    def hook(metadata):
+        seen.append(metadata.get()["name"])
+
+    with torch.no_grad():
+        for _ in range(3):  # the spec's kernels are known from its second call
+            plain = flexfa.attention(q, k, v, enable_gqa=True)
+        knobs.runtime.launch_enter_hook.add(hook)
+        try:
+            hooked = flexfa.attention(q, k, v, enable_gqa=True)
+        finally:
+            knobs.runtime.launch_enter_hook.remove(hook)
+        again = flexfa.attention(q, k, v, enable_gqa=True)
+    assert any("flexfa_decode" in name for name in seen), seen
+    count = len(seen)
+    torch.testing.assert_close(hooked, plain, rtol=0, atol=0)
+    torch.testing.assert_close(again, plain, rtol=0, atol=0)
+    assert len(seen) == count, "no hook once it is removed"
 
 
 _PIPELINE_CHILD = """

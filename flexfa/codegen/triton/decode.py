@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 import weakref
 
 import torch
@@ -39,7 +40,7 @@ from flexfa.codegen.triton.decode_configs import (
     default_config,
     row_tile,
 )
-from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, launch
+from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, current_raw_stream, launch
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey
 from flexfa.codegen.triton.plan import plan_key
@@ -438,57 +439,75 @@ def prepared(
     return found
 
 
-_counters: dict[tuple, torch.Tensor] = {}
-
-# The current CUDA stream and whether it captures, from torch's C functions where it has them
-# (as Inductor reads them): `torch.cuda.current_stream` builds a Python Stream object, which cost
-# about 12 us of a decode step's host time on the H200's host (a cProfile of 500 4k steps).
+# Whether the current CUDA stream captures, from torch's C function where it has it (as Inductor
+# reads it; the stream itself: `current_raw_stream` in launch.py). `torch.cuda.current_stream`
+# builds a Python Stream object, which cost about 12 us of a decode step's host time on the H200's
+# host (a cProfile of 500 4k steps).
 _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (
     torch.cuda.is_current_stream_capturing
 )
-_raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _raw_stream(index: int | None) -> int:
-    if _raw is not None and index is not None:
-        return _raw(index)
-    return torch.cuda.current_stream(index).cuda_stream
+# Note [Decode scratch per stream]
+# The splits' partial outputs and LSEs live only while their call's kernels run: the split kernel
+# writes them and the merge (fused, or its own kernel) reads them, on the caller's stream. Launches
+# on one stream run in order, so the calls on a stream can share that memory, as they share the
+# fused merge's counters (Note [Fused merge]): both come from buffers kept per (device, stream),
+# grown on demand, and the views of each call layout are kept, so a repeated call neither
+# allocates nor slices for them (a `torch.empty` and a slice per call before, about 3.5 us of a
+# 4k step's host time on the H200's host). A call captured in a CUDA graph gets its own from the
+# graph's pool, the counters zeroed by a captured memset at each replay: a capture stream lives
+# only as long as the capture, and flexfa's cache builder may not synchronize during one. Off the
+# GPU (Triton's interpreter) the buffers are kept per thread instead of per stream.
+_counters: dict[tuple, torch.Tensor] = {}  # (device, stream): int32, left at 0 by the kernels
+_partials: dict[tuple, torch.Tensor] = {}  # (device, stream): float32
+_scratch_views: dict[tuple, tuple] = {}  # (device, stream, sizes): (out_part, lse_part, counters)
+_VIEWS_KEPT = 64
 
 
-def _counter_buffer(device: torch.device, size: int) -> torch.Tensor:
-    """Zeroed int32 counters for the fused merge, one buffer per (device, stream), grown on demand
-    (Note [Fused merge]); kernels leave them at 0. A call captured in a CUDA graph gets its own
-    buffer from the graph's pool, zeroed by a captured memset at each replay: a capture stream
-    lives only as long as the capture, and flexfa's cache builder may not synchronize during one."""
-    stream = None
-    if device.type == "cuda":
-        if _capturing():
-            return torch.zeros(size, dtype=torch.int32, device=device)
-        stream = _raw_stream(device.index)
-    key = (device, stream)
-    buf = _counters.get(key)
+def _grown(buffers: dict, key: tuple, size: int, dtype: torch.dtype) -> torch.Tensor:
+    """The buffer kept under `key` = (device, stream), grown to at least `size` elements (new ones
+    zeroed); growing one drops the views kept of that stream's buffers."""
+    buf = buffers.get(key)
     if buf is None or buf.numel() < size:
-        buf = persistent(
-            device, lambda: torch.zeros(max(size, 1024), dtype=torch.int32, device=device)
+        device = key[0]
+        buf = persistent(  # Note [Caches under CUDA graphs]
+            device, lambda: torch.zeros(max(size, 1024), dtype=dtype, device=device)
         )
-        _counters[key] = buf
+        buffers[key] = buf
+        for k in [k for k in _scratch_views if k[:2] == key]:
+            del _scratch_views[k]
     return buf
 
 
-def _buffers(spec: AttentionSpec, prep: _Prepared, q, lse) -> tuple:
-    """A call's partial outputs and LSE, and the fused merge's counters (`lse` where unused)."""
-    if prep.part_size:
-        buf = torch.empty(
-            prep.part_size * (prep.plan.head_dim_v_pad + 1), dtype=torch.float32, device=q.device
-        )
-        out_part, lse_part = buf, buf[prep.part_size * prep.plan.head_dim_v_pad :]
-    else:
-        out_part = lse_part = lse  # never touched with one split
-    if prep.part_size and prep.config.fused_merge:
-        counters = _counter_buffer(q.device, spec.batch * spec.heads_kv * prep.tiles)
-    else:
-        counters = lse  # never touched
-    return out_part, lse_part, counters
+def _buffers(spec: AttentionSpec, prep: _Prepared, q, lse, stream: int | None) -> tuple:
+    """A call's partial outputs and LSE, and the fused merge's counters (`lse` where unused; Note
+    [Decode scratch per stream]); `stream`: the current CUDA stream (None: read it here)."""
+    if not prep.part_size:
+        return lse, lse, lse  # never touched with one split
+    device = q.device
+    part_out = prep.part_size * prep.plan.head_dim_v_pad
+    count = spec.batch * spec.heads_kv * prep.tiles if prep.config.fused_merge else 0
+    if device.type != "cuda":
+        stream = threading.get_ident()  # the interpreter: one thread's calls run in order
+    elif _capturing():  # a call of its own, from the graph's pool
+        buf = torch.empty(part_out + prep.part_size, dtype=torch.float32, device=device)
+        counters = torch.zeros(count, dtype=torch.int32, device=device) if count else lse
+        return buf, buf[part_out:], counters
+    elif stream is None:
+        stream = current_raw_stream()
+    key = (device, stream, part_out, prep.part_size, count)
+    views = _scratch_views.get(key)
+    if views is None:
+        where = (device, stream)
+        counters = _grown(_counters, where, count, torch.int32) if count else None
+        buf = _grown(_partials, where, part_out + prep.part_size, torch.float32)
+        if len(_scratch_views) >= _VIEWS_KEPT:
+            _scratch_views.clear()
+        views = _scratch_views[key] = (buf, buf[part_out : part_out + prep.part_size], counters)
+    if views[2] is None:
+        return views[0], views[1], lse  # no fused merge: the counters are never touched
+    return views
 
 
 def _score_args(spec: AttentionSpec) -> list:
@@ -497,9 +516,12 @@ def _score_args(spec: AttentionSpec) -> list:
     return emit.mod_values(spec.score_mod, tuple(t.contiguous() for t in spec.score_mod.tensors))
 
 
-def _call_args(spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse) -> tuple[list, list | None]:
-    """The arguments of the split kernel and of the merge kernel (None: no merge kernel runs)."""
-    out_part, lse_part, counters = _buffers(spec, prep, q, lse)
+def _call_args(
+    spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse, stream: int | None = None
+) -> tuple[list, list | None]:
+    """The arguments of the split kernel and of the merge kernel (None: no merge kernel runs);
+    `stream`: the current CUDA stream, where the call runs on a GPU (`_buffers`)."""
+    out_part, lse_part, counters = _buffers(spec, prep, q, lse, stream)
     paged = spec.paged
     if paged is not None:
         page_args = [paged.page_table, paged.page_table.stride(0), paged.kv_lens]
@@ -613,18 +635,19 @@ def _run(
         prep.direct = (direct[0], direct[1] if len(direct) > 1 else None)
         return out, lse
     # Note [Decode host time]: the same kernels, called directly.
+    stream = current_raw_stream() if q.is_cuda else None
     if entry is not None:
-        args, merge_args = entry.call_args(spec, prep, q, k, v, out, lse)
+        args, merge_args = entry.call_args(spec, prep, q, k, v, out, lse, stream)
     else:
-        args, merge_args = _call_args(spec, prep, q, k, v, out, lse)
+        args, merge_args = _call_args(spec, prep, q, k, v, out, lse, stream)
     grid = (prep.config.num_splits, spec.batch * spec.heads_kv, prep.tiles)
     split, merge = prep.direct
     if entry is not None:  # Note [Decode launches by spec]
         known = entry.kernels.get(tuple([args[i].data_ptr() & 15 for i in entry.positions]))
         if known is not None:
-            split.call_compiled(known[0], grid, args)
+            split.call_compiled(known[0], grid, args, stream)
             if merge is not None:
-                merge.call_compiled(known[1], (grid[1], grid[2]), merge_args)
+                merge.call_compiled(known[1], (grid[1], grid[2]), merge_args, stream)
             return out, lse
     split(grid, args)
     if merge is not None:
@@ -704,9 +727,10 @@ class _SpecLaunches:
             tuple(i for i, a in enumerate(template) if a is _LSE),
         )
 
-    def call_args(self, spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse):
-        """`_call_args` of a call of `spec` whose q, k and v have this entry's `strides`."""
-        out_part, lse_part, counters = _buffers(spec, prep, q, lse)
+    def call_args(self, spec: AttentionSpec, prep: _Prepared, q, k, v, out, lse, stream):
+        """`_call_args` of a call of `spec` whose q, k and v have this entry's `strides`, on
+        `stream` (`_buffers`)."""
+        out_part, lse_part, counters = _buffers(spec, prep, q, lse, stream)
         args = self.args.copy()
         args[:8] = q, k, v, out, lse, out_part, lse_part, counters
         for i in self.lse_at:
@@ -742,5 +766,7 @@ def clear_caches() -> None:
     _prepared.clear()
     _by_spec.clear()
     _counters.clear()
+    _partials.clear()
+    _scratch_views.clear()
     _num_sms.cache_clear()
     _capability.cache_clear()
