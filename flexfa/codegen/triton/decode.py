@@ -454,8 +454,8 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (
 # on one stream run in order, so the calls on a stream can share that memory, as they share the
 # fused merge's counters (Note [Fused merge]): both come from buffers kept per (device, stream),
 # grown on demand, and the views of each call layout are kept, so a repeated call neither
-# allocates nor slices for them (a `torch.empty` and a slice per call before, about 3.5 us of a
-# 4k step's host time on the H200's host). A call captured in a CUDA graph gets its own from the
+# allocates nor slices for them (a `torch.empty` and a slice per call before; on the H200's host
+# the step's three `torch.empty` calls took 7.8 us, docs/performance.md). A call captured in a CUDA graph gets its own from the
 # graph's pool, the counters zeroed by a captured memset at each replay: a capture stream lives
 # only as long as the capture, and flexfa's cache builder may not synchronize during one. Off the
 # GPU (Triton's interpreter) the buffers are kept per thread instead of per stream.
