@@ -455,10 +455,12 @@ _capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (
 # fused merge's counters (Note [Fused merge]): both come from buffers kept per (device, stream),
 # grown on demand, and the views of each call layout are kept, so a repeated call neither
 # allocates nor slices for them (a `torch.empty` and a slice per call before; on the H200's host
-# the step's three `torch.empty` calls took 7.8 us, docs/performance.md). A call captured in a CUDA graph gets its own from the
-# graph's pool, the counters zeroed by a captured memset at each replay: a capture stream lives
-# only as long as the capture, and flexfa's cache builder may not synchronize during one. Off the
-# GPU (Triton's interpreter) the buffers are kept per thread instead of per stream.
+# the step's three `torch.empty` calls took 7.8 us, docs/performance.md). A buffer replaced by a
+# larger one is marked as used by the caller's stream, so that its memory is not handed out again
+# while that stream's earlier calls may still read it. A call captured in a CUDA graph gets its
+# own from the graph's pool, the counters zeroed by a captured memset at each replay: a capture
+# stream lives only as long as the capture, and flexfa's cache builder may not synchronize during
+# one. Off the GPU (Triton's interpreter) the buffers are kept per thread instead of per stream.
 _counters: dict[tuple, torch.Tensor] = {}  # (device, stream): int32, left at 0 by the kernels
 _partials: dict[tuple, torch.Tensor] = {}  # (device, stream): float32
 _scratch_views: dict[tuple, tuple] = {}  # (device, stream, sizes): (out_part, lse_part, counters)
@@ -468,15 +470,17 @@ _VIEWS_KEPT = 64
 def _grown(buffers: dict, key: tuple, size: int, dtype: torch.dtype) -> torch.Tensor:
     """The buffer kept under `key` = (device, stream), grown to at least `size` elements (new ones
     zeroed); growing one drops the views kept of that stream's buffers."""
-    buf = buffers.get(key)
-    if buf is None or buf.numel() < size:
-        device = key[0]
-        buf = persistent(  # Note [Caches under CUDA graphs]
-            device, lambda: torch.zeros(max(size, 1024), dtype=dtype, device=device)
-        )
-        buffers[key] = buf
-        for k in [k for k in _scratch_views if k[:2] == key]:
-            del _scratch_views[k]
+    old = buffers.get(key)
+    if old is not None and old.numel() >= size:
+        return old
+    device = key[0]
+    buf = buffers[key] = persistent(  # Note [Caches under CUDA graphs]
+        device, lambda: torch.zeros(max(size, 1024), dtype=dtype, device=device)
+    )
+    if old is not None and device.type == "cuda":
+        old.record_stream(torch.cuda.current_stream(device))  # calls in flight may read it
+    for k in [k for k in _scratch_views if k[:2] == key]:
+        del _scratch_views[k]
     return buf
 
 
