@@ -595,7 +595,7 @@ def run_compiled(
             compiled[grid](*args, *tail, stream=stream)
         return
     if stream is None:
-        stream = _raw_stream_of(_current_device())
+        stream = current_raw_stream()
     compiled.run(
         grid[0], grid[1], grid[2], stream, function, compiled.packed_metadata, None, None, None,
         *args, *tail,
