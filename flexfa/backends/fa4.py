@@ -224,6 +224,9 @@ class Fa4Backend(Backend):
             not_sparse = why_not_sparse(spec.block_mask, spec.head_dim, spec.head_dim_v, major)
             if not_sparse is not None:
                 return Support.no(not_sparse)
+        unlowered = _unlowered_op(spec)
+        if unlowered is not None:
+            return Support.no(unlowered)
         for traced in (spec.score_mod, spec.mask):
             if traced is None:
                 continue
@@ -277,6 +280,30 @@ class Fa4Backend(Backend):
             call, q, k, v, saved, lse, dout, dlse, _score_tensors(spec)
         )
         return dq, dk, dv, {s: g for s, g in captured.items() if s in grad_slots}
+
+
+def _unlowered_op(spec: AttentionSpec) -> str | None:
+    """Why the generated hooks cannot be written for `spec`'s mods (an IR op without a CuTe DSL
+    lowering: Note [Every op has a CuTe lowering] in flexfa/codegen/cute/emit.py), or None."""
+    from flexfa.codegen.cute.emit import unlowered_ops
+
+    mods = [spec.score_mod, spec.mask]
+    if spec.packed is not None:
+        mods += [spec.packed.score_mod, spec.packed.mask]
+    for traced in mods:
+        if traced is None:
+            continue
+        roots = [traced.output]
+        if traced.kind == "score_mod" and spec.needs_grad:
+            roots += traced.gradient(spec.score_grad_slots).roots()
+        ops = unlowered_ops(roots)
+        if ops:
+            names = ", ".join(op.name for op in ops)
+            return (
+                f"{traced.kind} {traced.name!r} uses {names}, which the generated FA4 hooks "
+                "cannot compute (no CuTe DSL lowering)"
+            )
+    return None
 
 
 def _score_tensors(spec: AttentionSpec) -> tuple[torch.Tensor, ...]:

@@ -18,7 +18,11 @@
 #   - tuples and FA4's NamedTuples hold templates.
 # Anything else (a tensor FA4 made itself, such as scheduler metadata or a workspace; an object of
 # another type; no compiled call at all, as for an empty input) means the call is not replayed
-# and FA4's entry point runs every time. A template holds no tensor. It is used only once two
+# and FA4's entry point runs every time. FA4's varlen forward is such a call: wherever it gets
+# cu_seqlens_k (packed calls, Note [Packed calls on FA4's varlen path] in backend.py, and document
+# masks run per batch row) it allocates a workspace for per-CTA copies of V's TMA descriptor on
+# every call and hands it to its kernel, so those calls always take FA4's entry point (the
+# signature is then marked once, and no call records again). A template holds no tensor. It is used only once two
 # calls with the same launch signature recorded equal templates (the same compiled functions,
 # the same constants): from the third call on, flexfa calls those functions itself with the new
 # call's tensors and scalars in their places, and FA4's entry point is skipped. The signature

@@ -85,6 +85,19 @@ tuple to every hook, so each function builds views of its own entries by positio
 # The errors stay far below a bfloat16 or float16 rounding of the result, which is what the
 # three-way tests check. float64 math (a float64 captured tensor) is left exact.
 #
+# Note [erf in generated CuTe source]
+# The CuTe DSL has `cute.math.erf` (MLIR's math.erf, lowered with the rest of the hooks for sm_90a
+# and sm_100a); there is no hardware approximation of it, so it is not in the fast-math set and
+# is called as the DSL's accurate function. GELU (`F.gelu`, approximate="none") reaches the IR
+# as erf, and its derivative as exp (Note [Activations] in flexfa/frontend/activations.py).
+#
+# Note [Every op has a CuTe lowering]
+# `LOWERED_OPS` is every IR op `_Body` can print, and `unlowered_ops` the ops of a mod that are
+# not in it. The fa4 backend's `supports` says no, naming the op, for a mod with one, so that
+# `backend="auto"` moves on instead of choosing fa4 and failing while generating the hooks;
+# tests/codegen/test_every_op.py walks every op of `Op` through each backend and fails for an op
+# that is neither lowered here nor refused by `supports`.
+#
 # Note [Captured gradients in the FA4 backward]
 # d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
 # FA4 calls `score_mod_bwd` once per score element, so the generated function adds its contribution
@@ -129,6 +142,7 @@ _MATH = {
     Op.COS: "cute.math.cos",
     Op.FLOOR: "cute.math.floor",
     Op.CEIL: "cute.math.ceil",
+    Op.ERF: "cute.math.erf",  # Note [erf in generated CuTe source]
 }
 # float32 functions computed with the GPU's approximations (Note [Fast math in generated CuTe
 # source]).
@@ -145,7 +159,26 @@ _INFIX = {
     Op.AND: "&",
     Op.OR: "|",
     Op.XOR: "^",
+    Op.SHL: "<<",
+    Op.SHR: ">>",  # arithmetic on signed integers (arith.shrsi), as torch's and Triton's
 }
+
+# Every op `_Body` prints (Note [Every op has a CuTe lowering]): leaves, loads, `_MATH`, `_INFIX`
+# and the ops `_Body._expr` spells out one by one.
+LOWERED_OPS = frozenset(
+    {Op.CONST, Op.VAR, Op.CAPTURE, Op.SCALAR, Op.LOAD, Op.CAST, Op.NEG, Op.NOT, Op.ABS, Op.SIGN}
+    | {Op.SIGMOID, Op.MIN, Op.MAX, Op.WHERE, Op.POW, Op.FLOORDIV, Op.MOD}
+    | set(_MATH)
+    | set(_INFIX)
+)
+
+
+def unlowered_ops(roots: list[Node]) -> list[Op]:
+    """The ops under `roots` that have no CuTe DSL lowering, in `Op`'s order (Note [Every op has
+    a CuTe lowering])."""
+    found = {n.op for n in toposort(roots)} - LOWERED_OPS
+    return [op for op in Op if op in found]
+
 
 # The FA4 hooks' fixed parameters (FA4 passes q_idx, kv_idx, seqlen_info and aux_tensors by
 # keyword), and for each mod variable: the scalar its element 0 is read into, and the parameter.
