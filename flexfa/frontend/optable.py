@@ -246,6 +246,10 @@ def _dispatch(tracer: Tracer, name: str, args: tuple, kwargs: dict) -> Any:
         return W(_constant_like(tracer, name, args, kwargs))
     if name in ("contiguous", "clone", "detach", "squeeze", "unsqueeze_"):
         return args[0]
+    from flexfa.frontend import vector
+
+    if name in vector.SCALAR_SHAPE_METHODS:  # Note [Shape operations on traced values]
+        return vector.dispatch(tracer, name, args, kwargs)
     tracer.fail(
         f"torch.{name} cannot be traced inside a mod; supported operations are listed in "
         "docs/semantics.md (arithmetic, comparisons, & | ~, torch.where, elementwise math, casts, "

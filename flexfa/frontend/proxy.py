@@ -130,6 +130,12 @@ class Proxy:
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         # Tensor methods (score.tanh(), q_idx.to(torch.float32), score.clamp(min=0), ...).
+        from flexfa.frontend import vector
+
+        if name in vector.SCALAR_SHAPE_METHODS:  # Note [Shape operations on traced values]
+            return lambda *args, **kwargs: vector.dispatch(
+                self._tracer, name, (self, *args), kwargs
+            )
         if name.startswith("_") or name not in optable.METHOD_NAMES:
             raise AttributeError(
                 f"traced values have no attribute {name!r}"
@@ -245,7 +251,17 @@ class Proxy:
         return _unary(self._tracer, Op.NOT, self)
 
     def __getitem__(self, index):
-        self._tracer.fail("a traced value is a scalar and cannot be indexed")
+        # A 0-d tensor takes `x[None]`, `x[...]`, `x[..., None]` (Note [Shape operations on traced
+        # values]); anything that indexes a dim does not exist.
+        parts = index if isinstance(index, tuple) else (index,)
+        if all(p is None or p is Ellipsis for p in parts):
+            from flexfa.frontend import vector
+
+            return vector.dispatch(self._tracer, "__getitem__", (self, index), {})
+        self._tracer.fail(
+            "a traced value is a scalar (a 0-d tensor) and cannot be indexed; it takes x[None], "
+            "x[...] and x[..., None]"
+        )
 
 
 class IndexedTensor:

@@ -224,8 +224,10 @@ class Tracer:
         parts = index if isinstance(index, tuple) else (index,)
         nodes = list(prefix)
         name = self.name_of(tensor)
-        for part in parts:
+        for at, part in enumerate(parts):
             dim = len(nodes)
+            if part is None or part is Ellipsis or isinstance(part, slice):
+                return self._index_vector(tensor, tuple(nodes), parts[at:])
             if dim >= tensor.ndim:
                 self.fail(
                     f"too many indices for captured tensor {name!r} of shape {tuple(tensor.shape)}"
@@ -237,15 +239,10 @@ class Tracer:
                         f"index {dim} into captured tensor {name!r} is a float; convert it with "
                         ".to(torch.int32) (after torch.floor if needed)"
                     )
-            elif (
-                isinstance(part, bool)
-                or part is None
-                or part is Ellipsis
-                or isinstance(part, slice)
-            ):
+            elif isinstance(part, bool):
                 self.fail(
                     f"captured tensor {name!r} was indexed with {part!r}; mods index captured "
-                    "tensors with one integer per dim (slices, None and ... are not supported)"
+                    "tensors with one integer per dim"
                 )
                 raise AssertionError
             elif isinstance(part, numbers.Integral):
@@ -270,6 +267,22 @@ class Tracer:
         if len(nodes) < tensor.ndim:
             return IndexedTensor(self, tensor, tuple(nodes))
         return Proxy(self, self._load(tensor, tuple(nodes)))
+
+    def _index_vector(self, tensor: torch.Tensor, prefix: tuple[Node, ...], rest: tuple) -> Any:
+        """`tensor[*prefix, *rest]` where `rest` starts with a slice, None or ...: the vector
+        `tensor[*prefix]` indexed with Python values (Note [Shape operations on traced values] in
+        vector.py). A traced index after a slice would be a gather, which mods do not have."""
+        from flexfa.frontend import vector
+
+        for part in rest:
+            traced = isinstance(part, (Proxy, IndexedTensor, torch.Tensor))
+            if traced or getattr(type(part), "_flexfa_vector", False):
+                self.fail(
+                    f"captured tensor {self.name_of(tensor)!r} was indexed with a traced value "
+                    "after a slice, None or ...; put the traced indices first (table[q_idx, :])"
+                )
+        v = vector.from_indexed(self, tensor, prefix)
+        return vector.dispatch(self, "__getitem__", (v, rest), {})
 
 
 _LOADABLE = frozenset(

@@ -12,6 +12,18 @@ over their trailing dims: `(means[q_idx] - means[kv_idx]).pow(2).sum(-1)`,
 # into one node (a sum is a balanced tree of adds). Every backend then sees ordinary scalar IR. The
 # cost grows with the size, so a vector may have at most `UNROLL_LIMIT` elements; a larger one is an
 # error naming the limit.
+
+# Note [Shape operations on traced values]
+# Model code makes broadcasts and trailing reductions readable with shape operations:
+# `kv_block.unsqueeze(-1)` against a row of top-k indices, `(x.unsqueeze(-1) == table[q]).any(-1)`,
+# `x[..., None]`, `means[q][:, None]`. They only rearrange elements, so on a vector they map its
+# row-major element list to the new shape, with torch's rules: `unsqueeze(d)`, `squeeze(d)` (a dim
+# of size 1 only; otherwise unchanged) and `squeeze()`, `view`/`reshape` to a shape of the same
+# number of elements (one -1 inferred), and indexing with ints, `None`, `...` and slices. A traced
+# scalar is a 0-d tensor here as in torch: it takes the same operations (`q_idx.unsqueeze(-1)` is
+# a vector of one element, `x[None]`, `x[...]`, `x.view(1, 1)`), and the reductions of a 0-d
+# tensor (`x.any(-1)`, `x.sum()`). A result of one element is used where a scalar is expected,
+# as before.
 """
 
 from __future__ import annotations
@@ -38,8 +50,13 @@ UNROLL_LIMIT = 64
 MaxResult = collections.namedtuple("MaxResult", ["values", "indices"])
 
 _REDUCTIONS = frozenset({"sum", "any", "all", "amax", "amin", "max", "min", "mean", "prod"})
-_SHAPE_OPS = frozenset({"unsqueeze", "squeeze", "__getitem__", "dot", "inner", "vdot", "numel"})
+_SHAPE_OPS = frozenset(
+    {"unsqueeze", "squeeze", "view", "reshape", "__getitem__", "dot", "inner", "vdot", "numel"}
+)
 VECTOR_METHODS = _REDUCTIONS | _SHAPE_OPS | {"size", "dim"}
+# The methods a traced scalar (a 0-d tensor) answers as a vector of shape () (Note [Shape
+# operations on traced values]); `size`, `dim` and `squeeze` it has already.
+SCALAR_SHAPE_METHODS = (_REDUCTIONS - {"max", "min"}) | {"unsqueeze", "view", "reshape", "numel"}
 
 
 class VectorProxy:
@@ -270,26 +287,78 @@ def _reduce(tracer: Tracer, name: str, args: tuple, kwargs: dict):
 
 
 def _getitem(tracer: Tracer, v: VectorProxy, index: Any):
-    parts = index if isinstance(index, tuple) else (index,)
-    shape, items = v._shape, v._items
+    """`v[index]` with Python ints, slices, `None` and `...` (Note [Shape operations on traced
+    values])."""
+    parts = list(index) if isinstance(index, tuple) else [index]
+    shape = v._shape
     for part in parts:
-        if part is None:
-            shape, items = (1, *shape), items
+        if part is None or part is Ellipsis or isinstance(part, slice):
             continue
-        if isinstance(part, slice) and part == slice(None):
-            tracer.fail("slices of a traced tensor other than [0], [i] are not supported")
         if isinstance(part, bool) or not isinstance(part, int):
             tracer.fail(
-                "a traced tensor is indexed with Python ints inside a mod (an index that depends on "
-                "the pair would need a gather: index the captured tensor itself instead)"
+                "a traced tensor is indexed with Python ints, slices, None and ... inside a mod (an "
+                "index that depends on the pair would need a gather: index the captured tensor "
+                "itself instead)"
             )
-        k = part + shape[0] if part < 0 else part
-        if not 0 <= k < shape[0]:
-            tracer.fail(f"index {part} is out of range for size {shape[0]}")
-        inner = math.prod(shape[1:])
-        items = items[k * inner : (k + 1) * inner]
-        shape = shape[1:]
-    return _result(tracer, shape, items)
+    if parts.count(Ellipsis) > 1:
+        tracer.fail("an index can only have a single ellipsis ('...')")
+    consumed = sum(1 for p in parts if p is not None and p is not Ellipsis)
+    if consumed > len(shape):
+        tracer.fail(
+            f"too many indices for a traced tensor of shape {shape}: {consumed} dims indexed"
+        )
+    fill = [slice(None)] * (len(shape) - consumed)
+    if Ellipsis in parts:
+        at = parts.index(Ellipsis)
+        parts[at : at + 1] = fill
+    else:
+        parts += fill
+    out_shape: list[int] = []
+    per_dim: list[Any] = []  # for each dim of v: a fixed index, or the out dim and its range
+    for part in parts:
+        if part is None:
+            out_shape.append(1)
+            continue
+        size = shape[len(per_dim)]
+        if isinstance(part, slice):
+            positions = range(*part.indices(size))
+            per_dim.append((len(out_shape), positions))
+            out_shape.append(len(positions))
+            continue
+        k = part + size if part < 0 else part
+        if not 0 <= k < size:
+            tracer.fail(f"index {part} is out of range for size {size}")
+        per_dim.append(k)
+    if math.prod(out_shape) == 0:
+        tracer.fail(f"indexing a traced tensor of shape {shape} with {index!r} leaves no elements")
+    items = []
+    for out_idx in itertools.product(*(range(s) for s in out_shape)):
+        flat = 0
+        for size, d in zip(shape, per_dim):
+            k = d if isinstance(d, int) else d[1][out_idx[d[0]]]
+            flat = flat * size + k
+        items.append(v._items[flat])
+    return _result(tracer, tuple(out_shape), items)
+
+
+def _new_shape(tracer: Tracer, name: str, v: VectorProxy, args: tuple, kwargs: dict):
+    """The shape `v.view(...)` / `v.reshape(...)` asks for, with one -1 inferred."""
+    sizes = args[1:] if len(args) > 1 else (kwargs.get("shape", kwargs.get("size")),)
+    if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)):
+        sizes = tuple(sizes[0])
+    if len(sizes) == 1 and isinstance(sizes[0], torch.dtype):
+        tracer.fail(f".{name}(dtype) reinterprets bits, which a mod cannot do; use .to(dtype)")
+    if any(isinstance(s, bool) or not isinstance(s, int) for s in sizes):
+        tracer.fail(f".{name} of a traced tensor takes Python ints as sizes, got {sizes!r}")
+    n = len(v._items)
+    known = math.prod(s for s in sizes if s != -1)
+    if sizes.count(-1) > 1 or any(s < -1 for s in sizes):
+        tracer.fail(f".{name}{tuple(sizes)}: only one size may be -1, and none below it")
+    if -1 in sizes and known and n % known == 0:
+        sizes = tuple(n // known if s == -1 else s for s in sizes)
+    if -1 in sizes or math.prod(sizes) != n:
+        tracer.fail(f"shape {tuple(sizes)} is invalid for a traced tensor of {n} elements")
+    return tuple(sizes)
 
 
 def dispatch(tracer: Tracer, name: Any, args: tuple, kwargs: dict) -> Any:
@@ -314,10 +383,16 @@ def dispatch(tracer: Tracer, name: Any, args: tuple, kwargs: dict) -> Any:
         d = optable._arg(args, kwargs, 1, "dim")
         if d is None:
             shape = tuple(s for s in v._shape if s != 1)
+        elif not v._shape:  # a 0-d value squeezes to itself (dim 0 or -1, as in torch)
+            _norm_dim(tracer, d, 1)
+            shape = ()
         else:
             d = _norm_dim(tracer, d, v.ndim)
             shape = v._shape[:d] + v._shape[d + 1 :] if v._shape[d] == 1 else v._shape
         return _result(tracer, shape, v._items)
+    if name in ("view", "reshape"):
+        v = _as_vector(tracer, args[0])
+        return _result(tracer, _new_shape(tracer, name, v, args, kwargs), v._items)
     if name == "__getitem__":
         return _getitem(tracer, _as_vector(tracer, args[0]), args[1])
     if name == "numel":

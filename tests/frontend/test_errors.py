@@ -232,9 +232,26 @@ def test_constant_index_out_of_range():
     assert "index 4 is out of range for dim 1 of 'TABLE' (size 4)" in message
 
 
-def test_slices_and_none_are_refused():
-    assert "slices" in _score_error(lambda s, b, h, q, k: s + TABLE[h, 1:3])
-    assert "slices" in _score_error(lambda s, b, h, q, k: s + TABLE[h, None])
+def test_slices_and_none_that_leave_a_vector_or_gather_are_refused():
+    # Note [Shape operations on traced values]: slices, None and ... trace, but a mod returns
+    # one value per pair, and a traced index after a slice would be a gather.
+    assert "reduce it" in _score_error(lambda s, b, h, q, k: s + TABLE[h, 1:3])
+    assert "reduce it" in _score_error(lambda s, b, h, q, k: s + TABLE[h, None])
+    assert "put the traced indices first" in _score_error(lambda s, b, h, q, k: s + TABLE[:, h])
+    assert "single ellipsis" in _score_error(lambda s, b, h, q, k: s + TABLE[h][..., ...])
+    assert "too many indices" in _score_error(lambda s, b, h, q, k: s + TABLE[h][0, :])
+    assert "leaves no elements" in _score_error(lambda s, b, h, q, k: s + TABLE[h, 2:2].sum())
+    assert "cannot be indexed" in _score_error(lambda s, b, h, q, k: s[:])
+
+
+def test_bad_views_are_refused():
+    assert "invalid for a traced tensor of 4" in _score_error(
+        lambda s, b, h, q, k: s + TABLE[h].view(3).sum()
+    )
+    assert "only one size may be -1" in _score_error(
+        lambda s, b, h, q, k: s + TABLE[h].reshape(-1, -1).sum()
+    )
+    assert "use .to(dtype)" in _score_error(lambda s, b, h, q, k: s.view(torch.int32))
 
 
 def test_python_containers_cannot_be_indexed_by_traced_values():

@@ -253,3 +253,39 @@ def test_flexfa_mods_are_plain_closures():
     four, eight = (trace(flexfa.mods.alibi.bind(n), "score_mod") for n in (4, 8))
     assert four.output is eight.output and four.scalar_values != eight.scalar_values
     assert Op.EXP2 in _ops(four)
+
+
+_ROWS = torch.randn(16, 3)
+_IDS = torch.randint(0, 4, (16, 2))
+
+# Note [Shape operations on traced values]: the spellings model code uses for broadcasts and
+# trailing reductions, each equal to the eager function at every pair.
+SHAPE_CASES = [
+    pytest.param(lambda s, b, h, q, k: s + s.unsqueeze(-1).sum(-1), id="scalar_unsqueeze"),
+    pytest.param(lambda s, b, h, q, k: s + s[None][..., None].view(1).sum(), id="scalar_none"),
+    pytest.param(lambda s, b, h, q, k: s + torch.unsqueeze(s, 0).amax(0), id="torch_unsqueeze"),
+    pytest.param(lambda s, b, h, q, k: s * s.reshape(1, 1).squeeze(), id="scalar_reshape"),
+    pytest.param(lambda s, b, h, q, k: s + _ROWS[q][:, None].sum(1).view(-1)[2], id="col"),
+    pytest.param(lambda s, b, h, q, k: s + _ROWS[q, :][1:].prod(-1), id="slice"),
+    pytest.param(lambda s, b, h, q, k: s + _ROWS[q][::2].sum() - _ROWS[k][-2:].mean(), id="step"),
+    pytest.param(
+        lambda s, b, h, q, k: s + (_ROWS[q][:, None] * _ROWS[k][None, :]).amax(-1).sum(-1),
+        id="outer",
+    ),
+    pytest.param(lambda s, b, h, q, k: s + _ROWS[q].reshape(3, 1)[..., 0].sum(), id="ellipsis"),
+]
+
+
+@pytest.mark.parametrize("fn", SHAPE_CASES)
+def test_shape_operations_trace_like_eager(fn):
+    traced = trace(fn, "score_mod")
+    s = scores()
+    expected = eager_values(fn, s).to(torch.float32)
+    torch.testing.assert_close(traced_values(traced, s), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_topk_mask_with_unsqueeze_traces_like_eager():
+    def video_topk(b, h, q_idx, kv_idx):
+        return (_IDS[q_idx] == (kv_idx % 4).unsqueeze(-1)).any(-1) & (q_idx >= kv_idx)[None].all()
+
+    assert torch.equal(traced_values(trace(video_topk, "mask_mod")), eager_values(video_topk))

@@ -11,7 +11,7 @@ import torch
 
 from flexfa.frontend import ModTraceError, trace_score_mod
 from flexfa.frontend.optable import TRACEABLE_NAMES
-from flexfa.frontend.vector import VECTOR_METHODS
+from flexfa.frontend.vector import SCALAR_SHAPE_METHODS, VECTOR_METHODS
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "semantics.md"
 
@@ -29,6 +29,7 @@ def test_doc_lists_exactly_the_traceable_names():
     assert TRACEABLE_NAMES - listed == set(), "traceable but missing from docs/semantics.md"
     vector = _listed("vector-names")
     assert vector == {n for n in VECTOR_METHODS if not n.startswith("_")}
+    assert _listed("scalar-shape-names") == SCALAR_SHAPE_METHODS
 
 
 TABLE = torch.randn(8, 3)
@@ -91,3 +92,22 @@ def test_every_listed_reduction_traces(name):
         return score + r.to(torch.float32)
 
     trace_score_mod(score_mod)
+
+
+_SHAPE_ARGS = {"unsqueeze": (-1,), "view": (1, 1), "reshape": ((-1,),)}
+
+
+@pytest.mark.parametrize("name", sorted(SCALAR_SHAPE_METHODS))
+def test_every_scalar_shape_method_traces(name):
+    """Note [Shape operations on traced values]: a traced scalar takes these as a 0-d tensor,
+    as a method and as a torch function; the result (one element) is used as a scalar."""
+    for call in ("method", "function") if hasattr(torch, name) else ("method",):
+
+        def score_mod(score, b, h, q_idx, kv_idx, call=call):
+            x = score * 0.5 if name == "mean" else score
+            args = _SHAPE_ARGS.get(name, ())
+            fn = getattr(x, name) if call == "method" else lambda *a: getattr(torch, name)(x, *a)
+            r = fn(*args)
+            return score + (r if name != "numel" else float(r))
+
+        trace_score_mod(score_mod)
