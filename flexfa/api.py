@@ -499,6 +499,10 @@ def explain_backend(
         lines.append(
             f"{name}: {verdict} ({answer.reason})" if answer.reason else f"{name}: {verdict}"
         )
+    for traced in (spec.score_mod, spec.mask):
+        # Note [Custom ops traced through their Python implementation]
+        for note in traced.traced_through if traced is not None else ():
+            lines.append(f"{traced.kind} {traced.name!r}: custom op {note}")
     try:  # the lines above say why backends are skipped: no warning here
         lines.append(f"auto: {backends.select('auto', spec, warn=False).name}")
     except ValueError:

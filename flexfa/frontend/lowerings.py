@@ -24,12 +24,33 @@ arguments (traced values and Python values) and must return one traced value.
 # Note [Lowerings and the trace cache]
 # Traced mods are cached. Registering (or replacing) a lowering clears that cache, so a mod traced
 # before the registration is traced again with the new lowering on its next use.
+
+# Note [Custom ops traced through their Python implementation]
+# Many custom ops are a fast path for a compiler around a plain PyTorch function: the
+# attention-gym's approximate tanh (`torch.library.custom_op("approx::tanh")`) runs `torch.tanh`
+# eagerly on the CPU and CUDA, and only Inductor swaps in its inline-asm lowering. Tracing that
+# eager implementation gives flexfa what the op computes, so an op without a registered lowering
+# is traced through the Python function it runs on the tracer's device: for a
+# `torch.library.custom_op`, its kernel registered for that device type (`register_kernel`), else
+# its default implementation (the decorated function); for another operator, a Python kernel it
+# has for the device's dispatch key or CompositeImplicitAutograd. The function is called directly
+# with the traced values (never through the dispatcher, which would hand it real tensors), as a
+# lowering would be, and must return one traced value. `TracedMod.traced_through` records which
+# ops were traced so, and `flexfa.explain_backend` prints it: the kernels then compute the eager
+# implementation (`torch.tanh`), not the op's own fast path. Where there is no such function or
+# it does not trace (it allocates, calls a C++ kernel, reads `.data_ptr()`, ...), the error asks
+# for a lowering as before, with the reason. `register_lowering` takes precedence; the trace
+# cache does not see a kernel registered after a mod was traced (register a lowering, which
+# clears the cache, to change what a traced op means).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 _LOWERINGS: dict[str, Callable[..., Any]] = {}
 
@@ -80,13 +101,59 @@ def lookup(func: Any) -> Callable[..., Any] | None:
     return _LOWERINGS.get(name) if name is not None else None
 
 
-def unregistered_op_hint(func: Any) -> str | None:
-    """An error message for a custom op without a lowering."""
+def unregistered_op_hint(func: Any, why: str | None = None) -> str | None:
+    """An error message for a custom op without a lowering (`why`: why its Python implementation
+    was not traced, Note [Custom ops traced through their Python implementation])."""
     name = op_name(func)
     if name is None:
         return None
+    because = f" ({why})" if why else ""
     return (
-        f"the custom op {name} has no flexfa lowering; register one with "
+        f"the custom op {name} has no flexfa lowering{because}; register one with "
         f"flexfa.register_lowering(op, fn), fn written with operations listed in docs/semantics.md "
-        f"(it runs on every backend: tiled, triton)"
+        f"(it runs on every backend: tiled, triton, fa4)"
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class PythonImplementation:
+    """The Python function a custom op runs eagerly, and which of its kernels that is."""
+
+    op: str
+    kernel: str  # e.g. "its cpu kernel", "its default implementation"
+    fn: Callable[..., Any]
+
+    def describe(self) -> str:
+        return f"{self.op} traced through {self.kernel}"
+
+
+def python_implementation(func: Any, device_type: str) -> PythonImplementation | None:
+    """The Python function the custom op `func` runs on `device_type`, or None (Note [Custom ops
+    traced through their Python implementation])."""
+    name = op_name(func)
+    if name is None:
+        return None
+    from torch._library.custom_ops import OPDEFS
+
+    opdef = OPDEFS.get(name)
+    if opdef is not None:
+        kernels = getattr(opdef, "_backend_fns", {})
+        if device_type in kernels:
+            return PythonImplementation(name, f"its {device_type} kernel", kernels[device_type])
+        if None in kernels:
+            return PythonImplementation(name, "its default implementation", kernels[None])
+        return None
+    overload = func if isinstance(func, torch._ops.OpOverload) else None
+    if overload is None and isinstance(func, torch._ops.OpOverloadPacket):
+        overload = getattr(func, "default", None)
+    if overload is None:
+        return None
+    keys = (
+        torch._C._dispatch_key_for_device(device_type),
+        "CompositeImplicitAutograd",
+    )
+    for key in keys:
+        kernel = overload.py_kernels.get(getattr(torch._C.DispatchKey, key, None))
+        if kernel is not None:
+            return PythonImplementation(name, f"its {key} Python kernel", kernel)
+    return None

@@ -130,9 +130,8 @@ def dispatch(tracer: Tracer, func: Any, args: tuple, kwargs: dict) -> Any:
     lowering = lowerings.lookup(func)
     if lowering is not None:
         return lowering(*args, **kwargs)
-    hint = lowerings.unregistered_op_hint(func)
-    if hint is not None:
-        tracer.fail(hint)
+    if lowerings.op_name(func) is not None:
+        return _trace_through(tracer, func, args, kwargs)
     name = _unwrap_name(func)
     if any(px._is_vector(a) for a in (*args, *kwargs.values())) and not (
         name == "__getitem__" and isinstance(args[0], torch.Tensor)
@@ -145,6 +144,30 @@ def dispatch(tracer: Tracer, func: Any, args: tuple, kwargs: dict) -> Any:
     except IRTypeError as e:
         tracer.fail(f"{name}: {e}")
         raise AssertionError from e
+
+
+def _trace_through(tracer: Tracer, func: Any, args: tuple, kwargs: dict) -> Any:
+    """A custom op without a lowering, traced through its Python implementation (Note [Custom
+    ops traced through their Python implementation] in lowerings.py), or the error asking for a
+    lowering, with the reason it could not be traced."""
+    from flexfa.frontend import lowerings
+
+    impl = lowerings.python_implementation(func, tracer.device.type)
+    if impl is None:
+        tracer.fail(lowerings.unregistered_op_hint(func, "and no Python implementation to trace"))
+        raise AssertionError
+    try:
+        result = impl.fn(*args, **kwargs)
+    except Exception as e:  # anything the implementation does that flexfa cannot trace
+        message = str(e).split(": ", 1)[-1] if isinstance(e, px.ModTraceError) else str(e)
+        why = f"tracing {impl.kernel} failed: {type(e).__name__}: {message}"
+        tracer.fail(lowerings.unregistered_op_hint(func, why))
+        raise AssertionError from e
+    if not isinstance(result, px.Proxy) and not px._is_vector(result):
+        why = f"{impl.kernel} returned a {type(result).__name__}, not one traced value"
+        tracer.fail(lowerings.unregistered_op_hint(func, why))
+    tracer.note_traced_through(impl.describe())
+    return result
 
 
 def _arg(args: tuple, kwargs: dict, i: int, key: str, default: Any = None) -> Any:

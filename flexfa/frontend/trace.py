@@ -70,6 +70,9 @@ class TracedMod:
     fn: Callable[..., Any]
     scalars: tuple[Scalar, ...] = ()
     scalar_values: tuple[float, ...] = ()
+    # Custom ops traced through their Python implementation, each as "op traced through its ..."
+    # (Note [Custom ops traced through their Python implementation] in lowerings.py).
+    traced_through: tuple[str, ...] = ()
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -173,6 +176,12 @@ class Tracer:
         self._names: dict[int, str] | None = None
         self.scalars: list[Scalar] = []
         self.scalar_values: list[float] = []
+        self.traced_through: list[str] = []
+
+    def note_traced_through(self, description: str) -> None:
+        """Record a custom op traced through its Python implementation (once per op)."""
+        if description not in self.traced_through:
+            self.traced_through.append(description)
 
     def fail(self, message: str) -> None:
         raise ModTraceError(f"{self.kind} {self.mod_name!r}: {message}")
@@ -515,6 +524,7 @@ def _trace(
         fn=fn,
         scalars=tuple(tracer.scalars),
         scalar_values=tuple(tracer.scalar_values),
+        traced_through=tuple(tracer.traced_through),
     )
     if config.dump_ir is not None:
         _dump(traced)

@@ -1,4 +1,5 @@
-"""Custom ops in mods through `flexfa.register_lowering`."""
+"""Custom ops in mods: through `flexfa.register_lowering`, or traced through their Python
+implementation (Note [Custom ops traced through their Python implementation])."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 import flexfa
 from flexfa.reference import reference_attention
+from tests.tolerance import ThreeWay
 
 
 def _fast_tanh_math(x):
@@ -21,7 +23,7 @@ def fast_tanh(x: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("flexfa_test::unlowered", mutates_args=())
 def unlowered(x: torch.Tensor) -> torch.Tensor:
-    return x.clone()
+    return torch.special.bessel_j0(x)  # nothing flexfa can trace
 
 
 def softcap_custom(score, b, h, q_idx, kv_idx):
@@ -33,8 +35,13 @@ def softcap_math(score, b, h, q_idx, kv_idx):
 
 
 def test_unregistered_custom_op_names_the_op_and_the_api():
-    with pytest.raises(flexfa.ModTraceError, match=r"flexfa_test::unlowered .*register_lowering"):
+    with pytest.raises(
+        flexfa.ModTraceError, match=r"flexfa_test::unlowered .*register_lowering"
+    ) as e:
         flexfa.trace_score_mod(lambda s, b, h, q, k: unlowered(s))
+    # why its Python implementation was not traced instead
+    assert "tracing its default implementation failed" in str(e.value)
+    assert "torch.special_bessel_j0 cannot be traced" in str(e.value)
 
 
 @pytest.mark.parametrize("backend", ["tiled", "triton"])
@@ -66,3 +73,102 @@ def test_registration_as_decorator_and_by_packet():
     assert "(score * 2.0)" in traced.format()
     with pytest.raises(TypeError, match="custom_op"):
         flexfa.register_lowering(torch.tanh, lambda x: x)
+
+
+# The attention-gym's approximate-tanh softcap: a custom op whose eager kernel is torch.tanh (its
+# inline-asm lowering is for Inductor only), with a fake implementation, called as torch.ops.
+@torch.library.custom_op("approx::tanh", mutates_args=())
+def _tanh_approx(x: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(x)
+
+
+@_tanh_approx.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+CAP = 5.0
+
+
+def gym_softcap(score, b, h, q_idx, kv_idx):
+    return torch.ops.approx.tanh(score / CAP) * CAP
+
+
+def tanh_softcap(score, b, h, q_idx, kv_idx):
+    return torch.tanh(score / CAP) * CAP
+
+
+def test_a_custom_op_is_traced_through_its_python_implementation():
+    traced = flexfa.trace_score_mod(gym_softcap)
+    assert traced.output is flexfa.trace_score_mod(tanh_softcap).output
+    assert traced.traced_through == ("approx::tanh traced through its default implementation",)
+    q = torch.randn(1, 1, 16, 16)
+    explained = flexfa.explain_backend(q, q, q, score_mod=gym_softcap)
+    line = (
+        "score_mod 'gym_softcap': custom op approx::tanh traced through its default implementation"
+    )
+    assert line in explained.splitlines(), explained
+
+
+def _reference(base, dtype, score_mod):
+    leaves = [t.to(dtype).requires_grad_() for t in base]
+    o, _ = reference_attention(*leaves, score_mod)
+    return (o, *torch.autograd.grad(o.sum(), leaves))
+
+
+@pytest.mark.parametrize("backend", ["tiled", "triton"])
+def test_gym_softcap_matches_the_reference_with_gradients(backend):
+    dtype = torch.float64 if backend == "tiled" else torch.float32
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(1, 2, 19, 16, generator=g, dtype=torch.float64) * 3 for _ in range(3)]
+    q, k, v = (t.to(dtype).requires_grad_() for t in base)
+    out = flexfa.attention(q, k, v, score_mod=gym_softcap, backend=backend)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    # The op has no autograd formula, so the reference differentiates its eager kernel's math
+    # (torch.tanh); its forward is checked against the op itself, run eagerly by torch.
+    reference = _reference(base, torch.float64, tanh_softcap)
+    eager = _reference(base, dtype, tanh_softcap)
+    with torch.no_grad():
+        op_out, _ = reference_attention(*(t.to(dtype) for t in base), gym_softcap)
+    check = ThreeWay(dtype, context=f"gym softcap on {backend}")
+    check("out vs the op run eagerly", out, op_out, reference[0])
+    for name, kernel, e, r in zip(("out", "dq", "dk", "dv"), (out, *grads), eager, reference):
+        check(name, kernel, e, r)
+    check.assert_ok()
+
+
+def test_a_kernel_for_the_device_is_preferred():
+    @torch.library.custom_op("flexfa_test::per_device", mutates_args=())
+    def per_device(x: torch.Tensor) -> torch.Tensor:
+        return x * 2.0
+
+    @per_device.register_kernel("cpu")
+    def _(x):
+        return x * 3.0
+
+    traced = flexfa.trace_score_mod(lambda s, b, h, q, k: per_device(s))
+    assert "(score * 3.0)" in traced.format()
+    assert traced.traced_through == ("flexfa_test::per_device traced through its cpu kernel",)
+    on_cuda = flexfa.trace_score_mod(
+        lambda s, b, h, q, k: per_device(s), device=torch.device("cuda")
+    )
+    assert "(score * 2.0)" in on_cuda.format()  # no cuda kernel: the default implementation
+
+
+def test_a_registered_lowering_comes_first():
+    @torch.library.custom_op("flexfa_test::lowered_first", mutates_args=())
+    def lowered_first(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x)
+
+    flexfa.register_lowering(lowered_first, lambda x: x * 0.5)
+    traced = flexfa.trace_score_mod(lambda s, b, h, q, k: lowered_first(s))
+    assert "(score * 0.5)" in traced.format() and traced.traced_through == ()
+
+
+def test_an_implementation_that_returns_no_traced_value_is_refused():
+    @torch.library.custom_op("flexfa_test::constant", mutates_args=())
+    def constant(x: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(())
+
+    with pytest.raises(flexfa.ModTraceError, match=r"returned a Tensor, not one traced value"):
+        flexfa.trace_score_mod(lambda s, b, h, q, k: s + constant(s))
