@@ -285,18 +285,14 @@ class Fa4Backend(Backend):
 def _unlowered_op(spec: AttentionSpec) -> str | None:
     """Why the generated hooks cannot be written for `spec`'s mods (an IR op without a CuTe DSL
     lowering: Note [Every op has a CuTe lowering] in flexfa/codegen/cute/emit.py), or None."""
-    from flexfa.codegen.cute.emit import unlowered_ops
-
     mods = [spec.score_mod, spec.mask]
     if spec.packed is not None:
         mods += [spec.packed.score_mod, spec.packed.mask]
     for traced in mods:
         if traced is None:
             continue
-        roots = [traced.output]
-        if traced.kind == "score_mod" and spec.needs_grad:
-            roots += traced.gradient(spec.score_grad_slots).roots()
-        ops = unlowered_ops(roots)
+        backward = traced.kind == "score_mod" and spec.needs_grad
+        ops = _unlowered_ops(traced, spec.score_grad_slots if backward else None)
         if ops:
             names = ", ".join(op.name for op in ops)
             return (
@@ -304,6 +300,24 @@ def _unlowered_op(spec: AttentionSpec) -> str | None:
                 "cannot compute (no CuTe DSL lowering)"
             )
     return None
+
+
+@functools.lru_cache(maxsize=256)
+def _unlowered_ops_of(output, grad_slots: frozenset[int] | None) -> tuple:
+    from flexfa.codegen.cute.emit import unlowered_ops
+
+    roots = [output]
+    if grad_slots is not None:
+        from flexfa.ir.autodiff import score_mod_gradient
+
+        roots += score_mod_gradient(output, grad_slots=grad_slots).roots()
+    return tuple(unlowered_ops(roots))
+
+
+def _unlowered_ops(traced, grad_slots: frozenset[int] | None) -> tuple:
+    """The ops of `traced` (and of its backward, with `grad_slots`) that the CuTe emitter cannot
+    lower, once per IR (IR nodes are interned: the output node is the IR's identity)."""
+    return _unlowered_ops_of(traced.output, grad_slots)
 
 
 def _score_tensors(spec: AttentionSpec) -> tuple[torch.Tensor, ...]:

@@ -138,10 +138,12 @@ def test_every_op_generates_cute_or_is_refused(op, monkeypatch):
     assert op in cute_emit.LOWERED_OPS
 
 
-def test_fa4_refuses_an_op_it_cannot_lower_and_auto_moves_on(monkeypatch):
+def test_fa4_refuses_an_op_it_cannot_lower_and_auto_moves_on(monkeypatch, request):
     # Note [Every op has a CuTe lowering]: were erf without a lowering, GELU would be refused.
     _fake_gpu(monkeypatch)
     monkeypatch.setattr(cute_emit, "LOWERED_OPS", cute_emit.LOWERED_OPS - {Op.ERF})
+    fa4._unlowered_ops_of.cache_clear()  # answers are kept per IR
+    request.addfinalizer(fa4._unlowered_ops_of.cache_clear)
     spec = _spec(MODS[Op.ERF], device="cuda", dtype=torch.bfloat16)
     answer = fa4.Fa4Backend().supports(spec)
     assert not answer and "ERF" in answer.reason and "CuTe" in answer.reason, answer
