@@ -55,8 +55,14 @@ _SHAPE_OPS = frozenset(
 )
 VECTOR_METHODS = _REDUCTIONS | _SHAPE_OPS | {"size", "dim"}
 # The methods a traced scalar (a 0-d tensor) answers as a vector of shape () (Note [Shape
-# operations on traced values]); `size`, `dim` and `squeeze` it has already.
-SCALAR_SHAPE_METHODS = (_REDUCTIONS - {"max", "min"}) | {"unsqueeze", "view", "reshape", "numel"}
+# operations on traced values]); `size` and `dim` it has already.
+SCALAR_SHAPE_METHODS = (_REDUCTIONS - {"max", "min"}) | {
+    "unsqueeze",
+    "squeeze",
+    "view",
+    "reshape",
+    "numel",
+}
 
 
 class VectorProxy:

@@ -86,10 +86,13 @@ tuple to every hook, so each function builds views of its own entries by positio
 # three-way tests check. float64 math (a float64 captured tensor) is left exact.
 #
 # Note [erf in generated CuTe source]
-# The CuTe DSL has `cute.math.erf` (MLIR's math.erf, lowered with the rest of the hooks for sm_90a
-# and sm_100a); there is no hardware approximation of it, so it is not in the fast-math set and
-# is called as the DSL's accurate function. GELU (`F.gelu`, approximate="none") reaches the IR
-# as erf, and its derivative as exp (Note [Activations] in flexfa/frontend/activations.py).
+# The CuTe DSL has `cute.math.erf` (MLIR's math.erf). The GPU has no instruction for it, and the
+# DSL expands it in place into MLIR's float32 rational approximation (piecewise ratios of degree-4
+# polynomials, stated error about 2.5e-7: its coefficients are in the sm_90a PTX of
+# tests/codegen/test_every_op.py's compile, no library call), far below a bfloat16 or float16
+# rounding of the score, so it is used as it is and not in the fast-math set. GELU (`F.gelu`,
+# approximate="none") reaches the IR as erf, and its derivative as exp (Note [Activations] in
+# flexfa/frontend/activations.py).
 #
 # Note [Every op has a CuTe lowering]
 # `LOWERED_OPS` is every IR op `_Body` can print, and `unlowered_ops` the ops of a mod that are
