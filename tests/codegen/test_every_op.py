@@ -138,6 +138,39 @@ def test_every_op_generates_cute_or_is_refused(op, monkeypatch):
     assert op in cute_emit.LOWERED_OPS
 
 
+def _as_mask(op):
+    """A mask_mod whose block mask analysis, proofs and generated code meet `op` (on a float
+    made from the indices where the score_mod used the score)."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        x = (q_idx - kv_idx).to(torch.float32) * 0.25
+        return (MODS[op](x, b, h, q_idx, kv_idx) > 0.5) | (q_idx == kv_idx)
+
+    return mask_mod
+
+
+@pytest.mark.parametrize("op", list(Op), ids=lambda op: op.name)
+def test_every_op_in_a_mask_mod_runs_or_is_refused(op, monkeypatch):
+    mask = _as_mask(op)
+    q = torch.randn(1, 2, 24, 16, dtype=torch.float64)
+    out = flexfa.attention(q, q, q, block_mask=mask, backend="tiled")
+    assert torch.isfinite(out).all()
+    spec = build_spec(q.float(), q.float(), q.float(), None, mask)
+    with flexfa.config.override(triton_interpret=True):
+        if TritonBackend().supports(spec):
+            compile(triton_module.render(None, spec.mask, frozenset()), "<triton>", "exec")
+    _fake_gpu(monkeypatch)
+    spec = dataclasses.replace(
+        build_spec(q.bfloat16(), q.bfloat16(), q.bfloat16(), None, mask),
+        device=torch.device("cuda"),
+    )
+    answer = fa4.Fa4Backend().supports(spec)
+    if answer:
+        compile(cute_module.render(None, spec.mask, frozenset()).source, "<cute>", "exec")
+    else:
+        assert op.name in answer.reason, answer.reason
+
+
 def test_fa4_refuses_an_op_it_cannot_lower_and_auto_moves_on(monkeypatch, request):
     # Note [Every op has a CuTe lowering]: were erf without a lowering, GELU would be refused.
     _fake_gpu(monkeypatch)
