@@ -32,8 +32,10 @@ arguments (traced values and Python values) and must return one traced value.
 # eager implementation gives flexfa what the op computes, so an op without a registered lowering
 # is traced through the Python function it runs on the tracer's device: for a
 # `torch.library.custom_op`, its kernel registered for that device type (`register_kernel`), else
-# its default implementation (the decorated function); for another operator, a Python kernel it
-# has for the device's dispatch key or CompositeImplicitAutograd. The function is called directly
+# its default implementation (the decorated function); for another operator, a Python kernel
+# registered with `OpOverload.py_impl` for the device's dispatch key or CompositeImplicitAutograd
+# (a kernel given to `torch.library.Library.impl` lives in the C++ dispatcher, out of reach: such
+# an op still needs a lowering). The function is called directly
 # with the traced values (never through the dispatcher, which would hand it real tensors), as a
 # lowering would be, and must return one traced value. `TracedMod.traced_through` records which
 # ops were traced so, and `flexfa.explain_backend` prints it: the kernels then compute the eager

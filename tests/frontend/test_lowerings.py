@@ -172,3 +172,27 @@ def test_an_implementation_that_returns_no_traced_value_is_refused():
 
     with pytest.raises(flexfa.ModTraceError, match=r"returned a Tensor, not one traced value"):
         flexfa.trace_score_mod(lambda s, b, h, q, k: s + constant(s))
+
+
+def test_an_operator_with_a_python_kernel_is_traced_through_it():
+    lib = torch.library.Library("flexfa_test_lib", "DEF")
+    lib.define("doubled_sigmoid(Tensor x) -> Tensor")
+    op = torch.ops.flexfa_test_lib.doubled_sigmoid
+    op.default.py_impl(torch._C.DispatchKey.CompositeImplicitAutograd)(
+        lambda x: torch.sigmoid(x) * 2.0
+    )
+    traced = flexfa.trace_score_mod(lambda s, b, h, q, k: op(s))
+    assert "sigmoid(score)" in traced.format() and "* 2.0" in traced.format()
+    assert traced.traced_through == (
+        "flexfa_test_lib::doubled_sigmoid traced through its CompositeImplicitAutograd Python "
+        "kernel",
+    )
+    # A kernel given to Library.impl is held by the C++ dispatcher: the op needs a lowering.
+    lib.define("opaque(Tensor x) -> Tensor")
+    lib.impl("opaque", lambda x: torch.tanh(x), "CPU")
+    with pytest.raises(flexfa.ModTraceError, match="no Python implementation to trace"):
+        flexfa.trace_score_mod(lambda s, b, h, q, k: torch.ops.flexfa_test_lib.opaque(s))
+    _LIBRARIES.append(lib)  # an op lives as long as its library
+
+
+_LIBRARIES: list = []
