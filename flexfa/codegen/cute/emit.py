@@ -479,10 +479,13 @@ def _function(
     result: str,
     dtype: str,
     doc: str,
+    before: tuple[str, ...] = (),
+    after: tuple[str, ...] = (),
 ) -> str:
     """A hook: the views of the tensors it reads, then for each element i of the argument vectors
     (FA4 chooses their length, e.g. 2 in the forward and 4 in the backward) the scalar body, then
-    the results as one vector."""
+    the results as one vector. `before` / `after`: lines around the element loop (the backward's
+    per-call gradient sums, Note [Captured gradients in the FA4 backward])."""
     sig = ", ".join(params)
     head = f"@cute.jit\ndef {name}({sig}):"
     if len(f"def {name}({sig}):") > 100:
@@ -490,14 +493,18 @@ def _function(
         head = f"@cute.jit\ndef {name}(\n{joined},\n):"
     views = "".join(f"    {body.views[p]}\n" for p in sorted(body.views))
     text = "\n".join(f"        {line}" for line in lines)
+    head_lines = "".join(f"    {line}\n" for line in before)
+    tail_lines = "".join(f"    {line}\n" for line in after)
     return (
         f'{head}\n    """{doc}"""\n'
         f"{views}"
         f"    n = cutlass.const_expr(cute.size({first}.shape))\n"
         f"    result = cute.make_rmem_tensor(n, {dtype})\n"
+        f"{head_lines}"
         f"    for i in cutlass.range_constexpr(n):\n"
         f"{text}\n"
         f"        result[i] = {result}\n"
+        f"{tail_lines}"
         f"    return result.load()"
     )
 
@@ -544,18 +551,44 @@ def emit_score_mod_bwd(
     loads = [g for g in grad.loads if g.slot in aux.grad_slots]
     body.emit([grad.d_score, *(g.d_load for g in loads), *(i for g in loads for i in g.indices)])
     lines = ["grad = grad_ssa[i]", *_reads(body, _VAR_ORDER), *body.lines]
-    for j, g in enumerate(loads):
-        lines.extend(_scatter_lines(j, g.load, g.d_load, body, aux))
+    scatters = [_scatter(j, g.load, g.d_load, body, aux) for j, g in enumerate(loads)]
+    for sc in scatters:
+        lines.extend(sc.each)
     d = grad.d_score
     ret = "grad" if d.op is Op.CONST and d.arg == 1.0 else f"grad * {body.name(d)}"
     doc = f"gradient of score_mod {traced.name!r} (derived by flexfa's autodiff)."
     source = _function(
-        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", body, lines, ret, "cutlass.Float32", doc
-    )
+        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", body, lines, ret, "cutlass.Float32", doc,
+        before=tuple(line for sc in scatters for line in sc.before),
+        after=tuple(line for sc in scatters for line in sc.after),
+    )  # fmt: skip
     return ModSource(fn_name, source)
 
 
-def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> list[str]:
+# The variables whose value is the same in every element of a hook call and every lane of a warp
+# in flexfa's backward (Note [Captured gradients in the FA4 backward]).
+_WARP_UNIFORM_VARS = frozenset({"b", "h"})
+
+
+def warp_uniform_index(load: Node) -> bool:
+    """Whether a load's index reads no variable but `b` and `h` (constants, lifted scalars and
+    loads so indexed are fine): the same element for a whole hook call and warp."""
+    index = list(load.srcs[1:])
+    return all(n.arg in _WARP_UNIFORM_VARS for n in toposort(index) if n.op is Op.VAR)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scatter:
+    """The lines that add one captured tensor's gradient (Note [Captured gradients in the FA4
+    backward]): `each` in the element loop, `before` / `after` around it."""
+
+    uniform: bool
+    each: tuple[str, ...]
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+def _scatter(j: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> Scatter:
     cap: Capture = load.srcs[0].arg
     buf = body.view(aux.grad_buffer(cap.slot))
     idx = [body.name(s) for s in load.srcs[1:]] or ["cutlass.Int32(0)"]
@@ -565,8 +598,21 @@ def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout
     ]
     coord = idx[0] if len(idx) == 1 else "(" + ", ".join(idx) + ")"
     c = "grad" if d_load.op is Op.CONST and d_load.arg == 1.0 else f"grad * {body.name(d_load)}"
-    return [
-        f"c{i} = ({c}).to(cutlass.Float32)",
-        f"if (c{i} != cutlass.Float32(0.0)) & {' & '.join(guards)}:",
-        f"    flexfa_atomic_add(c{i}, {buf}, {coord})",
-    ]
+    # Out-of-range indices and zero contributions add nothing: the value goes in as 0.
+    value = f"flexfa_select({' & '.join(guards)}, ({c}).to(cutlass.Float32), cutlass.Float32(0.0))"
+    if warp_uniform_index(load):
+        return Scatter(
+            uniform=True,
+            each=(f"c{j} = {value}", f"acc{j} = acc{j} + c{j}"),
+            before=(f"acc{j} = cutlass.Float32(0.0)",),
+            after=(f"flexfa_atomic_add_uniform(acc{j}, {buf}, {coord})",),
+        )
+    return Scatter(
+        uniform=False,
+        each=(f"values{j}[i] = {value}", f"offsets{j}[i] = cute.crd2idx({coord}, {buf}.layout)"),
+        before=(
+            f"values{j} = cute.make_rmem_tensor(n, cutlass.Float32)",
+            f"offsets{j} = cute.make_rmem_tensor(n, cutlass.Int32)",
+        ),
+        after=(f"flexfa_atomic_add_warp(values{j}, offsets{j}, {buf})",),
+    )
