@@ -86,13 +86,43 @@ tuple to every hook, so each function builds views of its own entries by positio
 # three-way tests check. float64 math (a float64 captured tensor) is left exact.
 #
 # Note [Captured gradients in the FA4 backward]
-# d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
-# FA4 calls `score_mod_bwd` once per score element, so the generated function adds its contribution
-# with one float32 atomic add into the capture's gradient buffer (passed by address like the
-# captures, Note [Captured tensors by address]), skipping zeros:
-# pairs the mask or the sequence end excludes have `grad == 0` and cost no atomic. The order of the
-# adds is not fixed, so these gradients are not bitwise repeatable; the backend refuses
-# `deterministic=True` when a captured tensor needs a gradient.
+# d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx],
+# and the generated `score_mod_bwd` adds those contributions into a float32 gradient buffer
+# (passed by address like the captures, Note [Captured tensors by address]) with atomics. One
+# atomic per score element serializes wherever many elements hit one address - a per-head slope
+# or temperature (every element of a head), a relative-position table's clamped far distances, a
+# table of 64 x 64 blocks - so the adds are first summed where they share an address.
+# How FA4 calls the hook (flash_attn/cute softmax.py `apply_score_mod_bwd_inner`): on a vector of
+# `vec_size` elements of the thread's S fragment (4 for flexfa's calls, which pass no
+# `aux_tensors`), over the whole fragment in a fully unrolled loop, from every thread of the
+# warps that hold S - sm90's MMA warpgroups between the dP GEMM and dS, sm100's compute warps
+# after the TMEM load - in loops whose bounds are the same for the whole CTA (its m blocks or
+# block-sparse list), never under a lane-dependent branch. So all 32 lanes of a warp call the hook
+# together, and the hook may use warp shuffles and votes (full mask) as long as it keeps them
+# outside its own lane-dependent branches: every branch around them below tests a vote's result,
+# the same in all lanes; only the atomics sit under per-lane conditions. A pair that adds nothing
+# (masked: `grad == 0`; padding elements past the sequence end; an index out of range) goes in as
+# the value 0 and is skipped, and its offset is never read.
+# - Static: an index that reads no variable but `b` and `h` (constants, lifted scalars, loads so
+#   indexed: `slopes[h]`, a 0-d temperature) names one element for the whole call and warp. `b`
+#   and `h` are the work tile's in flexfa's backward; FA4 hands out per-element heads only under
+#   packed GQA, which flexfa's backward with a score_mod never runs (K/V repeated per query head,
+#   Note [GQA in FA4's score_mod backward] in backend.py). The call sums its elements in one
+#   register (`acc`), the warp sums the lanes with five butterfly shuffles, and lane 0 issues one
+#   atomic (`flexfa_atomic_add_uniform`).
+# - Dynamic: other indices are decided at run time (`flexfa_atomic_add_warp`): the call keeps each
+#   element's value and offset; if in every lane the adding elements share one offset (a vote) the
+#   lane sums them, else each element goes alone; then, per value, a ballot of the adding lanes, the
+#   smallest adding offset (`redux.sync.min`) and a vote tell whether they all add to that element:
+#   if so the warp sums with butterfly shuffles and its lowest adding lane issues one atomic, else
+#   each adding lane issues its own.
+# Per m block of FA4's sm90 backward a warp thus adds a per-head slope with 8 atomics (one per
+# hook call) instead of one per unmasked element (up to 1024), and a 64 x 64 block table or a
+# clamped distance with one per call where its 128 elements share the element. Compiled for
+# sm_90a (learnable causal ALiBi slopes, head dim 128), the backward holds 8 REDG where it held 32;
+# the code of the dynamic path is larger (docs/cute.md has the counts).
+# The order of the adds is not fixed, so these gradients are not bitwise repeatable; the backend
+# refuses `deterministic=True` when a captured tensor needs a gradient.
 """
 
 from __future__ import annotations

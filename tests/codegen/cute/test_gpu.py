@@ -172,7 +172,7 @@ CASES = [
     GpuCase("bias_keep_doc", 1, 4, 2, 1000, 1201, 64, bf16, _bias_keep_doc, "mask_mod"),
     # Captured gradients with bounded contention (Note [Captured gradients in the FA4 backward]).
     GpuCase("head_slopes", 2, 4, 4, 1531, 1531, 128, bf16, _head_slopes, "causal"),
-    GpuCase("head_slopes", 1, 8, 2, 1000, 1000, 64, f16, _head_slopes, "causal"),
+    GpuCase("head_slopes", 1, 8, 2, 1000, 1000, 64, bf16, _head_slopes, "causal"),
     GpuCase("clamped_bias", 1, 4, 4, 1531, 1531, 128, bf16, _clamped_bias, "causal"),
     GpuCase("clamped_bias", 1, 4, 4, 700, 1300, 64, bf16, _clamped_bias, "mask_mod"),
     GpuCase("block_table", 2, 4, 4, 2048, 2048, 64, bf16, _block_table, "causal"),
