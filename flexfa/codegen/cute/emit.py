@@ -107,7 +107,8 @@ tuple to every hook, so each function builds views of its own entries by positio
 #   indexed: `slopes[h]`, a 0-d temperature) names one element for the whole call and warp. `b`
 #   and `h` are the work tile's in flexfa's backward; FA4 hands out per-element heads only under
 #   packed GQA, which flexfa's backward with a score_mod never runs (K/V repeated per query head,
-#   Note [GQA in FA4's score_mod backward] in backend.py). The call sums its elements in one
+#   Note [GQA in FA4's score_mod backward] in backend.py; `backend.backward` stops with an error
+#   if K/V ever reach FA4 grouped with captured gradients). The call sums its elements in one
 #   register (`acc`), the warp sums the lanes with five butterfly shuffles, and lane 0 issues one
 #   atomic (`flexfa_atomic_add_uniform`).
 # - Dynamic: other indices are decided at run time (`flexfa_atomic_add_warp`): the call keeps each
