@@ -613,7 +613,6 @@ class Scatter:
     """The lines that add one captured tensor's gradient (Note [Captured gradients in the FA4
     backward]): `each` in the element loop, `before` / `after` around it."""
 
-    uniform: bool
     each: tuple[str, ...]
     before: tuple[str, ...] = ()
     after: tuple[str, ...] = ()
@@ -633,13 +632,11 @@ def _scatter(j: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> S
     value = f"flexfa_select({' & '.join(guards)}, ({c}).to(cutlass.Float32), cutlass.Float32(0.0))"
     if warp_uniform_index(load):
         return Scatter(
-            uniform=True,
             each=(f"c{j} = {value}", f"acc{j} = acc{j} + c{j}"),
             before=(f"acc{j} = cutlass.Float32(0.0)",),
             after=(f"flexfa_atomic_add_uniform(acc{j}, {buf}, {coord})",),
         )
     return Scatter(
-        uniform=False,
         each=(f"values{j}[i] = {value}", f"offsets{j}[i] = cute.crd2idx({coord}, {buf}.layout)"),
         before=(
             f"values{j} = cute.make_rmem_tensor(n, cutlass.Float32)",
