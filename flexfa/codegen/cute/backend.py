@@ -594,6 +594,13 @@ def backward(
     group = call.bwd_kv_group
     if group > 1:  # Note [GQA in FA4's score_mod backward]
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if call.grad_slots and k.shape[1] != q.shape[1]:
+        # The hooks sum a gradient whose index reads h over a warp (Note [Captured gradients in
+        # the FA4 backward]): FA4's packed-GQA backward would hand one warp several heads.
+        raise RuntimeError(
+            f"fa4 backward with captured gradients needs as many K/V heads as query heads "
+            f"(K/V repeated per query head), got {k.shape[1]} for {q.shape[1]}"
+        )
     if call.rows is not None:  # Note [Document masks on FA4's varlen kernels]
         rows = [
             launch.backward(

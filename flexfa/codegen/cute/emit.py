@@ -102,13 +102,44 @@ tuple to every hook, so each function builds views of its own entries by positio
 # that is neither lowered here nor refused by `supports`.
 #
 # Note [Captured gradients in the FA4 backward]
-# d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx].
-# FA4 calls `score_mod_bwd` once per score element, so the generated function adds its contribution
-# with one float32 atomic add into the capture's gradient buffer (passed by address like the
-# captures, Note [Captured tensors by address]), skipping zeros:
-# pairs the mask or the sequence end excludes have `grad == 0` and cost no atomic. The order of the
-# adds is not fixed, so these gradients are not bitwise repeatable; the backend refuses
-# `deterministic=True` when a captured tensor needs a gradient.
+# d loss / d capture[idx] sums `grad * d_load` over the (q, kv) pairs whose load read capture[idx],
+# and the generated `score_mod_bwd` adds those contributions into a float32 gradient buffer
+# (passed by address like the captures, Note [Captured tensors by address]) with atomics. One
+# atomic per score element serializes wherever many elements hit one address - a per-head slope
+# or temperature (every element of a head), a relative-position table's clamped far distances, a
+# table of 64 x 64 blocks - so the adds are first summed where they share an address.
+# How FA4 calls the hook (flash_attn/cute softmax.py `apply_score_mod_bwd_inner`): on a vector of
+# `vec_size` elements of the thread's S fragment (4 for flexfa's calls, which pass no
+# `aux_tensors`), over the whole fragment in a fully unrolled loop, from every thread of the
+# warps that hold S - sm90's MMA warpgroups between the dP GEMM and dS, sm100's compute warps
+# after the TMEM load - in loops whose bounds are the same for the whole CTA (its m blocks or
+# block-sparse list), never under a lane-dependent branch. So all 32 lanes of a warp call the hook
+# together, and the hook may use warp shuffles and votes (full mask) as long as it keeps them
+# outside its own lane-dependent branches: every branch around them below tests a vote's result,
+# the same in all lanes; only the atomics sit under per-lane conditions. A pair that adds nothing
+# (masked: `grad == 0`; padding elements past the sequence end; an index out of range) goes in as
+# the value 0 and is skipped, and its offset is never read.
+# - Static: an index that reads no variable but `b` and `h` (constants, lifted scalars, loads so
+#   indexed: `slopes[h]`, a 0-d temperature) names one element for the whole call and warp. `b`
+#   and `h` are the work tile's in flexfa's backward; FA4 hands out per-element heads only under
+#   packed GQA, which flexfa's backward with a score_mod never runs (K/V repeated per query head,
+#   Note [GQA in FA4's score_mod backward] in backend.py; `backend.backward` stops with an error
+#   if K/V ever reach FA4 grouped with captured gradients). The call sums its elements in one
+#   register (`acc`), the warp sums the lanes with five butterfly shuffles, and lane 0 issues one
+#   atomic (`flexfa_atomic_add_uniform`).
+# - Dynamic: other indices are decided at run time (`flexfa_atomic_add_warp`): the call keeps each
+#   element's value and offset; if in every lane the adding elements share one offset (a vote) the
+#   lane sums them, else each element goes alone; then, per value, a ballot of the adding lanes, the
+#   smallest adding offset (`redux.sync.min`) and a vote tell whether they all add to that element:
+#   if so the warp sums with butterfly shuffles and its lowest adding lane issues one atomic, else
+#   each adding lane issues its own.
+# Per m block of FA4's sm90 backward a warp thus adds a per-head slope with 8 atomics (one per
+# hook call) instead of one per unmasked element (up to 1024), and a 64 x 64 block table or a
+# clamped distance with one per call where its 128 elements share the element. Compiled for
+# sm_90a (learnable causal ALiBi slopes, head dim 128), the backward holds 8 REDG where it held 32;
+# the code of the dynamic path is larger (docs/cute.md has the counts).
+# The order of the adds is not fixed, so these gradients are not bitwise repeatable; the backend
+# refuses `deterministic=True` when a captured tensor needs a gradient.
 """
 
 from __future__ import annotations
@@ -515,10 +546,13 @@ def _function(
     result: str,
     dtype: str,
     doc: str,
+    before: tuple[str, ...] = (),
+    after: tuple[str, ...] = (),
 ) -> str:
     """A hook: the views of the tensors it reads, then for each element i of the argument vectors
     (FA4 chooses their length, e.g. 2 in the forward and 4 in the backward) the scalar body, then
-    the results as one vector."""
+    the results as one vector. `before` / `after`: lines around the element loop (the backward's
+    per-call gradient sums, Note [Captured gradients in the FA4 backward])."""
     sig = ", ".join(params)
     head = f"@cute.jit\ndef {name}({sig}):"
     if len(f"def {name}({sig}):") > 100:
@@ -526,14 +560,18 @@ def _function(
         head = f"@cute.jit\ndef {name}(\n{joined},\n):"
     views = "".join(f"    {body.views[p]}\n" for p in sorted(body.views))
     text = "\n".join(f"        {line}" for line in lines)
+    head_lines = "".join(f"    {line}\n" for line in before)
+    tail_lines = "".join(f"    {line}\n" for line in after)
     return (
         f'{head}\n    """{doc}"""\n'
         f"{views}"
         f"    n = cutlass.const_expr(cute.size({first}.shape))\n"
         f"    result = cute.make_rmem_tensor(n, {dtype})\n"
+        f"{head_lines}"
         f"    for i in cutlass.range_constexpr(n):\n"
         f"{text}\n"
         f"        result[i] = {result}\n"
+        f"{tail_lines}"
         f"    return result.load()"
     )
 
@@ -580,18 +618,43 @@ def emit_score_mod_bwd(
     loads = [g for g in grad.loads if g.slot in aux.grad_slots]
     body.emit([grad.d_score, *(g.d_load for g in loads), *(i for g in loads for i in g.indices)])
     lines = ["grad = grad_ssa[i]", *_reads(body, _VAR_ORDER), *body.lines]
-    for j, g in enumerate(loads):
-        lines.extend(_scatter_lines(j, g.load, g.d_load, body, aux))
+    scatters = [_scatter(j, g.load, g.d_load, body, aux) for j, g in enumerate(loads)]
+    for sc in scatters:
+        lines.extend(sc.each)
     d = grad.d_score
     ret = "grad" if d.op is Op.CONST and d.arg == 1.0 else f"grad * {body.name(d)}"
     doc = f"gradient of score_mod {traced.name!r} (derived by flexfa's autodiff)."
     source = _function(
-        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", body, lines, ret, "cutlass.Float32", doc
-    )
+        fn_name, SCORE_MOD_BWD_PARAMS, "grad_ssa", body, lines, ret, "cutlass.Float32", doc,
+        before=tuple(line for sc in scatters for line in sc.before),
+        after=tuple(line for sc in scatters for line in sc.after),
+    )  # fmt: skip
     return ModSource(fn_name, source)
 
 
-def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> list[str]:
+# The variables whose value is the same in every element of a hook call and every lane of a warp
+# in flexfa's backward (Note [Captured gradients in the FA4 backward]).
+_WARP_UNIFORM_VARS = frozenset({"b", "h"})
+
+
+def warp_uniform_index(load: Node) -> bool:
+    """Whether a load's index reads no variable but `b` and `h` (constants, lifted scalars and
+    loads so indexed are fine): the same element for a whole hook call and warp."""
+    index = list(load.srcs[1:])
+    return all(n.arg in _WARP_UNIFORM_VARS for n in toposort(index) if n.op is Op.VAR)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scatter:
+    """The lines that add one captured tensor's gradient (Note [Captured gradients in the FA4
+    backward]): `each` in the element loop, `before` / `after` around it."""
+
+    each: tuple[str, ...]
+    before: tuple[str, ...] = ()
+    after: tuple[str, ...] = ()
+
+
+def _scatter(j: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout) -> Scatter:
     cap: Capture = load.srcs[0].arg
     buf = body.view(aux.grad_buffer(cap.slot))
     idx = [body.name(s) for s in load.srcs[1:]] or ["cutlass.Int32(0)"]
@@ -601,8 +664,19 @@ def _scatter_lines(i: int, load: Node, d_load: Node, body: _Body, aux: AuxLayout
     ]
     coord = idx[0] if len(idx) == 1 else "(" + ", ".join(idx) + ")"
     c = "grad" if d_load.op is Op.CONST and d_load.arg == 1.0 else f"grad * {body.name(d_load)}"
-    return [
-        f"c{i} = ({c}).to(cutlass.Float32)",
-        f"if (c{i} != cutlass.Float32(0.0)) & {' & '.join(guards)}:",
-        f"    flexfa_atomic_add(c{i}, {buf}, {coord})",
-    ]
+    # Out-of-range indices and zero contributions add nothing: the value goes in as 0.
+    value = f"flexfa_select({' & '.join(guards)}, ({c}).to(cutlass.Float32), cutlass.Float32(0.0))"
+    if warp_uniform_index(load):
+        return Scatter(
+            each=(f"c{j} = {value}", f"acc{j} = acc{j} + c{j}"),
+            before=(f"acc{j} = cutlass.Float32(0.0)",),
+            after=(f"flexfa_atomic_add_uniform(acc{j}, {buf}, {coord})",),
+        )
+    return Scatter(
+        each=(f"values{j}[i] = {value}", f"offsets{j}[i] = cute.crd2idx({coord}, {buf}.layout)"),
+        before=(
+            f"values{j} = cute.make_rmem_tensor(n, cutlass.Float32)",
+            f"offsets{j} = cute.make_rmem_tensor(n, cutlass.Int32)",
+        ),
+        after=(f"flexfa_atomic_add_warp(values{j}, offsets{j}, {buf})",),
+    )

@@ -369,6 +369,33 @@ def test_gqa_backward_with_a_score_mod_runs_on_repeated_kv(monkeypatch):
     assert dk[0, 1].unique().tolist() == [5.0] and bool((dv == 2.0).all())  # heads 2 + 3
 
 
+def test_captured_gradients_refuse_a_backward_on_grouped_kv(monkeypatch):
+    """Note [Captured gradients in the FA4 backward]: the hooks sum a gradient indexed by h over
+    a warp, which holds one head only when FA4's backward sees K/V repeated per query head; a
+    call planned otherwise stops with an error instead of adding heads together."""
+    import dataclasses
+
+    from flexfa.codegen.cute import backend, launch
+
+    monkeypatch.setattr(launch, "backward", lambda *a, **kw: pytest.fail("FA4 was called"))
+    monkeypatch.setattr(backend, "hooks_for", lambda s, m, g: launch.Hooks(None, None, None, None))
+    slopes = torch.rand(4, requires_grad=True)
+
+    def learned_alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    q = torch.randn(1, 4, 64, 32, dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 64, 32, dtype=torch.bfloat16) for _ in range(2))
+    spec = build_spec(q, k, v, learned_alibi, flexfa.masks.causal, enable_gqa=True)
+    call = backend.make_call(spec)
+    assert call.bwd_kv_group == 2 and call.grad_slots == (0,)
+    lse = torch.zeros(1, 4, 64)
+    with pytest.raises(RuntimeError, match=r"as many K/V heads as query heads.*got 2 for 4"):
+        backend.backward(
+            dataclasses.replace(call, bwd_kv_group=1), q, k, v, q, lse, q, None, (slopes,)
+        )
+
+
 def test_block_sparse_lists_by_default_where_wired(monkeypatch):
     """Note [Block-sparse lists for FA4]: the option decides when given; otherwise the lists are
     used wherever `why_not_sparse` allows them (sm90 and sm100, head dims <= 128, blocks that

@@ -226,3 +226,45 @@ def test_varlen_kernels_compile_with_a_generated_score_mod(tmp_path):
     for text in (fwd, bwd):
         assert ".target sm_90a" in text and MMA["sm_90a"] in text
     assert "atom.global.add.f32" in bwd or "red.global.add.f32" in bwd
+
+
+_GRAD_CHILD = """
+import json, re, sys, torch, flexfa
+from flexfa.codegen.cute import offline
+slopes = torch.rand(4, requires_grad=True)
+table = torch.zeros(4, 257, requires_grad=True)
+
+def learned_alibi(score, b, h, q_idx, kv_idx):
+    return score + slopes[h] * (kv_idx - q_idx)
+
+mod = {"slopes": learned_alibi, "table": flexfa.mods.relative_bias(table, 128)}[sys.argv[3]]
+report = offline.compile_call(mod, flexfa.masks.causal, arch=sys.argv[2], out_dir=sys.argv[1],
+                              head_dim=128)
+(bwd,) = [p.read_text() for p in report.ptx if "flash_bwd_sm" in p.name]
+print(json.dumps({k: len(re.findall(p, bwd)) for k, p in (
+    ("atom", r"(?:atom|red)[.a-z:0-9]*add[.]f32"), ("bfly", r"shfl[.]sync[.]bfly"),
+    ("ballot", r"vote[.]sync[.]ballot"), ("all", r"vote[.]sync[.]all"),
+    ("redux", r"redux[.]sync[.]min"))}))
+"""
+
+
+@pytest.mark.slow
+def test_captured_gradients_are_aggregated_per_warp(tmp_path):
+    """Note [Captured gradients in the FA4 backward], in FA4's sm90 backward: a per-head slope's
+    gradient goes out once per hook call and warp (five butterfly shuffles before each atomic, no
+    votes); a clamped distance's through the run-time warp test (a ballot, a min over the lanes,
+    then either one atomic after five shuffles or one per lane)."""
+    got = {}
+    for name in ("slopes", "table"):  # a process each: the CuTe DSL fixes its dump dir once
+        cmd = [sys.executable, "-c", _GRAD_CHILD, str(tmp_path / name), "sm_90a", name]
+        got[name] = json.loads(run_child(tmp_path, cmd).stdout.strip().splitlines()[-1])
+    slopes, table = got["slopes"], got["table"]
+    assert slopes["atom"] > 0 and slopes["bfly"] == 5 * slopes["atom"], got
+    assert slopes["ballot"] == slopes["all"] == slopes["redux"] == 0, got
+    # Each warp step: one ballot, one min, one vote; two atomic sites (the warp's, a lane's).
+    steps = table["redux"]
+    assert steps > 0 and table["ballot"] == steps and table["bfly"] == 5 * steps, got
+    assert table["atom"] == 2 * steps and table["all"] > steps, got
+    # A hook call sums its elements where they share an offset: a step per call, then one per
+    # element, so more than one step per static atomic site of the slope's.
+    assert steps > slopes["atom"], got

@@ -79,7 +79,7 @@ def test_aux_layout_orders_scalars_then_score_then_mask_then_gradients():
     # scatter for c (it does not require grad).
     grad_view = "view3 = flexfa_view(cutlass.Float32, 4, aux_scalars[8], (aux_scalars[9], "
     assert grad_view + "aux_scalars[10]), (aux_scalars[10], 1))" in bwd
-    assert "flexfa_atomic_add(c0, view3, (h, cutlass.Int32(1)))" in bwd
+    assert "flexfa_atomic_add_uniform(acc0, view3, (h, cutlass.Int32(1)))" in bwd
     assert bwd.count("flexfa_atomic_add") == 1
     mask_src = rendered.mask_mod.source
     assert "view2 = flexfa_view(cutlass.Uint8, 1, aux_scalars[6], (aux_scalars[7],), (1,))" in (
@@ -129,3 +129,64 @@ def test_every_constant_comes_from_constants():
     fixed = trace_score_mod(lambda s, b, h, q, kv: s * 0.5 + 1.0)  # constants of the mod's code
     src = emit.emit_mod(fixed, "g", emit.AuxLayout(0, (), (), ()), _Marked()).source
     assert "LITERAL" in src and "0.5" not in src and "aux_scalars[" not in src
+
+
+def _bwd_source(score_mod) -> str:
+    traced = trace_score_mod(score_mod)
+    return cmodule.render(traced, None, traced.grad_slots()).score_mod_bwd.source
+
+
+def test_gradient_of_an_index_reading_only_h_is_summed_per_call():
+    """Note [Captured gradients in the FA4 backward]: slopes[h] is one element for the whole hook
+    call and warp, so the call sums its elements in a register and the warp adds once, after the
+    element loop."""
+    slopes = torch.rand(4, requires_grad=True)
+
+    def learned_alibi(score, b, h, q_idx, kv_idx):
+        return score + slopes[h] * (kv_idx - q_idx)
+
+    src = _bwd_source(learned_alibi)
+    assert "    acc0 = cutlass.Float32(0.0)\n    for i in cutlass.range_constexpr(n):" in src
+    assert "        c0 = flexfa_select((h < view1.shape[0]), (grad * t1).to(cutlass.Float32)" in src
+    assert "        acc0 = acc0 + c0\n" in src
+    assert "        result[i] = grad\n    flexfa_atomic_add_uniform(acc0, view1, h)\n" in src
+    assert "flexfa_atomic_add_warp" not in src
+
+
+def test_gradient_of_an_index_reading_q_or_kv_is_aggregated_per_warp_at_run_time():
+    """Note [Captured gradients in the FA4 backward]: a clamped distance may or may not be the
+    same across a call's elements and a warp's lanes; the call keeps each element's value and
+    offset, and `flexfa_atomic_add_warp` decides at run time."""
+    table = torch.zeros(4, 257, requires_grad=True)
+    src = _bwd_source(flexfa.mods.relative_bias(table, 128))
+    assert "    values0 = cute.make_rmem_tensor(n, cutlass.Float32)\n" in src
+    assert "    offsets0 = cute.make_rmem_tensor(n, cutlass.Int32)\n" in src
+    guard = "(h < view1.shape[0]) & (t3 < view1.shape[1]) & (t3 >= 0)"
+    assert f"        values0[i] = flexfa_select({guard}, (grad).to(cutlass.Float32)" in src
+    assert "        offsets0[i] = cute.crd2idx((h, t3), view1.layout)\n" in src
+    assert "    flexfa_atomic_add_warp(values0, offsets0, view1)\n    return result.load()" in src
+    assert "flexfa_atomic_add_uniform" not in src
+
+
+def test_which_indices_are_warp_uniform():
+    """Indices reading b, h, constants or loads so indexed are one element per warp; any read of q_idx, kv_idx or score (directly or through a load) is not."""
+    perm = torch.tensor([2, 0, 3, 1])
+    temp = torch.tensor(0.5, requires_grad=True)
+    table = torch.zeros(4, 8, requires_grad=True)
+    doc = torch.zeros(64, dtype=torch.int32)
+
+    def mod(score, b, h, q_idx, kv_idx, shift=1):
+        return (
+            score * temp  # 0-d: index 0
+            + table[perm[h], b + shift]  # a load indexed by h; b and a constant
+            + table[h, doc[q_idx]]  # a load indexed by q_idx
+            + table[h, (score > 0).to(torch.int64)]  # an index reading the score
+        )
+
+    traced = trace_score_mod(mod)
+    loads = traced.gradient(traced.grad_slots()).loads
+    uniform = [emit.warp_uniform_index(g.load) for g in loads]
+    assert sorted(uniform) == [False, False, True, True], uniform
+    src = _bwd_source(mod)
+    assert src.count("flexfa_atomic_add_uniform(") == 2
+    assert src.count("flexfa_atomic_add_warp(") == 2

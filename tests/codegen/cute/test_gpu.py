@@ -110,6 +110,42 @@ def _gelu_bits(case, dev):
     return gelu_bits, fm.causal, ()
 
 
+# Captured gradients that many score elements add into one element (Note [Captured gradients in
+# the FA4 backward]): indices reading only h (summed per hook call, one atomic per warp), clamped
+# distances (whole warps on one end of the table), a table of 64 x 64 blocks (a warp's elements
+# mostly in one block); fully masked rows and padding elements add nothing.
+def _head_slopes(case, dev):
+    g = torch.Generator().manual_seed(7)
+    slopes = (0.05 * torch.rand(case.heads_q, generator=g)).to(dev).requires_grad_()
+    temp = (1.0 + 0.2 * torch.randn(case.heads_q, generator=g)).to(dev).requires_grad_()
+
+    def head_slopes(score, b, h, q_idx, kv_idx):
+        return score * temp[h] + slopes[h] * (kv_idx - q_idx)
+
+    return head_slopes, fm.causal, (slopes, temp)
+
+
+def _clamped_bias(case, dev):
+    g = torch.Generator().manual_seed(8)
+    table = (0.5 * torch.randn(case.heads_q, 257, generator=g)).to(dev).requires_grad_()
+    return fmods.relative_bias(table, 128), fm.causal, (table,)
+
+
+def _block_table(case, dev, mask_mod=fm.causal):
+    g = torch.Generator().manual_seed(9)
+    rows, cols = -(-case.len_q // 64), -(-case.len_kv // 64)
+    table = (0.5 * torch.randn(rows, cols, generator=g)).to(dev).requires_grad_()
+
+    def block_table(score, b, h, q_idx, kv_idx):
+        return score + table[q_idx // 64, kv_idx // 64]
+
+    return block_table, mask_mod, (table,)
+
+
+def _block_table_empty_rows(case, dev):
+    return _block_table(case, dev, empty_rows(case, dev)[1])
+
+
 bf16, f16 = torch.bfloat16, torch.float16
 CASES = [
     GpuCase("gelu_bits", 1, 4, 4, 1000, 1000, 128, bf16, _gelu_bits, "causal"),
@@ -146,6 +182,13 @@ CASES = [
     GpuCase("empty_rows", 1, 2, 2, 1024, 1024, 64, bf16, empty_rows, "mask_mod"),
     GpuCase("causal", 1, 2, 2, 1024, 1024, 256, bf16, causal, "causal"),
     GpuCase("bias_keep_doc", 1, 4, 2, 1000, 1201, 64, bf16, _bias_keep_doc, "mask_mod"),
+    # Captured gradients with bounded contention (Note [Captured gradients in the FA4 backward]).
+    GpuCase("head_slopes", 2, 4, 4, 1531, 1531, 128, bf16, _head_slopes, "causal"),
+    GpuCase("head_slopes", 1, 8, 2, 1000, 1000, 64, bf16, _head_slopes, "causal"),
+    GpuCase("clamped_bias", 1, 4, 4, 1531, 1531, 128, bf16, _clamped_bias, "causal"),
+    GpuCase("clamped_bias", 1, 4, 4, 700, 1300, 64, bf16, _clamped_bias, "mask_mod"),
+    GpuCase("block_table", 2, 4, 4, 2048, 2048, 64, bf16, _block_table, "causal"),
+    GpuCase("block_table", 1, 4, 2, 1000, 1201, 128, bf16, _block_table_empty_rows, "mask_mod"),
     # FA4's block-sparse lists from the BlockMask (opt-in, Note [Block-sparse lists for FA4]).
     GpuCase("document_causal", 2, 4, 4, 2048, 2048, 64, bf16, document_causal, "mask_mod", True),
     GpuCase("prefix_lm", 1, 4, 4, 1500, 1500, 128, bf16, _prefix_lm, "mask_mod", True),
