@@ -44,7 +44,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import sys
 import threading
 import types
 import warnings
@@ -53,11 +55,12 @@ from typing import Any
 
 import torch
 
-from flexfa import backends
+from flexfa import backends, local_mods
 from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.layout import empty_like_query
+from flexfa.local_mods import LocalMod
 from flexfa.mods import HeadsDependentMod
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 
@@ -66,66 +69,103 @@ _MAX_DEPTH = 5
 
 
 # -- where captured tensors live --------------------------------------------------------------------
-def tensor_paths(fn: Any) -> dict[int, Path]:
+def tensor_paths(
+    fn: Any, anchors: Mapping[int, Path] | None = None, rebuilt: frozenset[int] = frozenset()
+) -> dict[int, Path]:
     """id(tensor) -> the attribute path from `fn` to it, for every tensor `fn` can reach through
-    closure cells, globals it names, defaults, partial arguments, bound selves and attributes."""
+    closure cells, globals it names, defaults, partial arguments, bound selves and attributes.
+
+    For a local mod (Note [Local mods under torch.compile] in flexfa/local_mods.py), `anchors`
+    gives the paths of its leaves and `rebuilt` the ids of its rebuilt functions: a path through
+    those starts again at a leaf, or at `sys.modules` for a global they read; a value reached
+    only through a rebuilt function's cell has no path (None)."""
+    anchors = anchors or {}
     paths: dict[int, Path] = {}
     seen: set[int] = set()
 
-    def value(v: Any, path: Path, depth: int) -> None:
+    def step(path: Path | None, kind: str, arg: Any) -> Path | None:
+        return None if path is None else (*path, (kind, arg))
+
+    def value(v: Any, path: Path | None, depth: int) -> None:
+        if id(v) in anchors:
+            path, depth = anchors[id(v)], 0
         if isinstance(v, torch.Tensor):
-            paths.setdefault(id(v), path)
+            if path is not None:
+                paths.setdefault(id(v), path)
             return
         if depth > _MAX_DEPTH or id(v) in seen or v is None or isinstance(v, (str, int, float)):
             return
         if isinstance(v, (types.ModuleType, type)):
             return
-        seen.add(id(v))
+        if path is not None:  # reached without a path: a later visit may have one
+            seen.add(id(v))
         if isinstance(v, (tuple, list)) and len(v) <= 64:
             for i, item in enumerate(v):
-                value(item, (*path, ("item", i)), depth + 1)
+                value(item, step(path, "item", i), depth + 1)
         elif isinstance(v, dict) and len(v) <= 64:
             for key, item in v.items():
                 if isinstance(key, (str, int)):
-                    value(item, (*path, ("item", key)), depth + 1)
+                    value(item, step(path, "item", key), depth + 1)
         elif isinstance(v, torch.nn.Module):
             for name, t in [*v.named_parameters(recurse=False), *v.named_buffers(recurse=False)]:
-                paths.setdefault(id(t), (*path, ("attr", name)))
+                if path is not None:
+                    paths.setdefault(id(t), (*path, ("attr", name)))
             for name, child in v.named_children():
-                value(child, (*path, ("attr", name)), depth + 1)
+                value(child, step(path, "attr", name), depth + 1)
             for name, item in vars(v).items():
                 if not name.startswith("_"):
-                    value(item, (*path, ("attr", name)), depth + 1)
+                    value(item, step(path, "attr", name), depth + 1)
         elif callable(v):
             function(v, path, depth)
 
-    def function(f: Any, path: Path, depth: int) -> None:
+    def function(f: Any, path: Path | None, depth: int) -> None:
         code = getattr(f, "__code__", None)
         if isinstance(f, torch.nn.Module):
             seen.discard(id(f))
             value(f, path, depth)
         elif isinstance(f, types.FunctionType) and code is not None:
+            local = id(f) in rebuilt
+            inner = None if local else path  # a rebuilt function's cells are not followed
             for i, cell in enumerate(f.__closure__ or ()):
                 try:
                     contents = cell.cell_contents
                 except ValueError:
                     continue
-                value(contents, (*path, ("cell", i)), depth + 1)
+                value(contents, step(inner, "cell", i), depth + 1)
             for name in code.co_names:
                 if name in f.__globals__:
-                    value(f.__globals__[name], (*path, ("global", name)), depth + 1)
+                    where = (
+                        _module_path(f.__globals__, name) if local else step(path, "global", name)
+                    )
+                    value(f.__globals__[name], where, depth + 1)
             for i, d in enumerate(f.__defaults__ or ()):
-                value(d, (*path, ("default", i)), depth + 1)
+                value(d, step(inner, "default", i), depth + 1)
+            for d in (f.__kwdefaults__ or {}).values():  # found by anchor (local mods) only
+                value(d, None, depth + 1)
+        elif isinstance(f, functools.partial):
+            value(f.func, step(path, "attr", "func"), depth + 1)
+            for i, item in enumerate(f.args):
+                value(item, step(step(path, "attr", "args"), "item", i), depth + 1)
+            for key, item in f.keywords.items():
+                value(item, step(step(path, "attr", "keywords"), "item", key), depth + 1)
         elif isinstance(f, types.MethodType):
-            value(f.__self__, (*path, ("self", None)), depth + 1)
-            function(f.__func__, (*path, ("func", None)), depth + 1)
+            value(f.__self__, step(path, "self", None), depth + 1)
+            function(f.__func__, step(path, "func", None), depth + 1)
         elif hasattr(f, "__dict__") and not isinstance(f, types.BuiltinFunctionType):
             for name, item in vars(f).items():
-                value(item, (*path, ("attr", name)), depth + 1)
+                value(item, step(path, "attr", name), depth + 1)
 
     seen.add(id(fn))
-    function(fn, (), 0)
+    function(fn, None if rebuilt else (), 0)  # a rebuilt mod is no root: its leaves are
     return paths
+
+
+def _module_path(globals_: dict[str, Any], name: str) -> Path | None:
+    """The path to a global of a rebuilt local mod: through `sys.modules`, where its module is."""
+    module = sys.modules.get(globals_.get("__name__", ""))
+    if module is None or getattr(module, "__dict__", None) is not globals_:
+        return None
+    return (("module", module.__name__), ("attr", name))
 
 
 def follow(root: Any, path: Path) -> Any:
@@ -144,6 +184,8 @@ def follow(root: Any, path: Path) -> Any:
             obj = obj.__func__
         elif kind == "attr":
             obj = getattr(obj, arg)
+        elif kind == "module":  # a local mod's global (Note [Local mods under torch.compile])
+            obj = sys.modules[arg]
         else:  # "item"
             obj = obj[arg]
     return obj
@@ -199,11 +241,11 @@ _lock = threading.Lock()
 
 
 def _paths_for(
-    traced: TracedMod | None, fn: Any
+    traced: TracedMod | None, fn: Any, local: LocalMod | None = None
 ) -> tuple[tuple[Path, ...], tuple[int | None, ...]]:
     if traced is None or not traced.tensors:
         return (), ()
-    found = tensor_paths(fn)
+    found = tensor_paths(fn) if local is None else tensor_paths(fn, local.anchors, local.rebuilt)
     paths: list[Path] = []
     inputs: list[int | None] = []
     for t in traced.tensors:
@@ -261,19 +303,30 @@ def _describe(
     kernel_options: tuple[tuple[str, Any], ...],
     deterministic: bool,
     enable_gqa: bool,
+    score_local: str | None = None,
+    mask_local: str | None = None,
 ) -> tuple:
     """Trace the mods in plain Python and register them (Note [flexfa under torch.compile]).
+
+    `score_local`, `mask_local`: the tokens of local mods, passed instead of `score_mod` and
+    `block_mask` (Note [Local mods under torch.compile]); their paths start at their leaves.
 
     Returns (key, paths to the score_mod's tensors, which input each of its slots reads (None: a
     constant), paths to the mask_mod's tensors, lifted scalars)."""
     device = torch.device(device_type)
+    local_score = local_mods.take(score_local) if score_local is not None else None
+    local_mask = local_mods.take(mask_local) if mask_local is not None else None
+    if local_score is not None:
+        score_mod = local_score.fn
+    if local_mask is not None:
+        block_mask = local_mask.fn
     score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
     if score is not None and score.is_identity:
         score = None
     mask_fn, block_size = _mask_parts(block_mask)
     mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
-    score_paths, score_inputs = _paths_for(score, score_mod)  # no paths for a bound mod
-    mask_paths, mask_inputs = _paths_for(mask, mask_fn)
+    score_paths, score_inputs = _paths_for(score, score_mod, local_score)  # none for a bound mod
+    mask_paths, mask_inputs = _paths_for(mask, mask_fn, local_mask)
     for traced, inputs in ((score, score_inputs), (mask, mask_inputs)):
         for cap, t, i in zip(
             traced.captures if traced else (), traced.tensors if traced else (), inputs
@@ -535,12 +588,18 @@ def compiled_attention(
     heads = None
     if isinstance(score_mod, HeadsDependentMod):  # bound in the ops, per number of heads
         heads, score_mod = score_mod._make, None
+    # Note [Local mods under torch.compile]: a mod defined inside the compiled function is
+    # rebuilt where Dynamo keeps it; `_describe` gets its token, `follow` starts at its leaves.
+    score_local = local_mod(score_mod, "score_mod") if score_mod is not None else None
+    mask_local = local_mod(block_mask, "mask_mod") if block_mask is not None else None
     key, score_paths, score_inputs, mask_paths, scalars = _describe(
-        score_mod, heads, block_mask, q.device.type, backend, options,
-        bool(deterministic), bool(enable_gqa),
+        None if score_local else score_mod, heads, None if mask_local else block_mask,
+        q.device.type, backend, options, bool(deterministic), bool(enable_gqa),
+        score_local[0] if score_local else None, mask_local[0] if mask_local else None,
     )  # fmt: skip
-    mask_root = _mask_root(block_mask)
-    score_tensors = [follow(score_mod, p) for p in score_paths]
+    score_root = score_local[1] if score_local else score_mod
+    mask_root = mask_local[1] if mask_local else _mask_root(block_mask)
+    score_tensors = [follow(score_root, p) for p in score_paths]
     mask_tensors = [follow(mask_root, p) for p in mask_paths]
     grad_mask = 0
     for slot, i in enumerate(score_inputs):
@@ -551,6 +610,42 @@ def compiled_attention(
         resolve_scale(scale, q.shape[-1]), grad_mask, max_scores,
     )  # fmt: skip
     return out, lse, row_max
+
+
+def local_mod(fn: Any, kind: str) -> tuple[str, tuple] | None:
+    """(token, leaves) of `fn` if it is a mod defined inside the compiled region, else None (Note
+    [Local mods under torch.compile] in flexfa/local_mods.py). Traced by Dynamo: `comptime` runs
+    `_split_hook` on Dynamo's variable for `fn`, which sets `split`; in eager Python it is None."""
+    from torch._dynamo.comptime import comptime
+
+    split = None
+    comptime(_split_hook)
+    return split
+
+
+def _split_hook(ctx: Any) -> None:
+    """Run by Dynamo inside `local_mod`'s frame: set its local `split` for a local mod `fn`."""
+    from torch._dynamo import variables as dv
+    from torch._dynamo.exc import unimplemented
+
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    fn = ctx.get_local("fn")._i_will_not_complain_if_bc_breaks_VariableTracker()
+    if not local_mods.is_local(fn):
+        return
+    kind = ctx.get_local("kind").as_python_constant()
+    try:
+        token, leaves = local_mods.split(tx, fn, kind)
+    except local_mods.LocalModError as e:
+        unimplemented(
+            gb_type="flexfa: a mod defined inside the compiled function cannot be captured",
+            context=f"{kind} {e.mod!r}",
+            explanation=str(e),
+            hints=[],
+            log_warning=True,
+        )
+    tx.symbolic_locals["split"] = dv.TupleVariable(
+        [dv.ConstantVariable.create(token), dv.TupleVariable(list(leaves))]
+    )
 
 
 def _check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

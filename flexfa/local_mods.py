@@ -1,0 +1,254 @@
+"""Mods defined inside a function that torch.compile traces ("local mods").
+
+# Note [Local mods under torch.compile]
+# The most common way to write a mod is inside the model's forward, closing over what forward has
+# at hand: `bias = self.bias; def rel(score, b, h, q_idx, kv_idx): return score + bias[h, ...]`
+# (Hugging Face transformers' FlexAttention integration does exactly this, closing over a softcap
+# float, a mask tensor and a position-bias tensor). Under `torch.compile` such a function exists
+# only inside Dynamo, as a NestedUserFunctionVariable: its code object is a constant, but its
+# closure cells hold Dynamo's variables (a tensor that is a parameter, an input or an
+# intermediate of the forward, a float, another nested function). Dynamo cannot turn it into a
+# Python function (`assume_constant_result` fails with "failed to convert closure cell to Python
+# constant"), and traced code cannot read `fn.__closure__` of such a function either.
+# So flexfa splits a local mod where Dynamo keeps it, while Dynamo traces the call:
+#   - `flexfa.compiled.local_mod(fn, kind)` calls `torch._dynamo.comptime` with `_split_hook`,
+#     which receives Dynamo's variable for `fn` and walks it with `split` below;
+#   - `split` rebuilds the mod as a plain Python function: the same code object and globals, its
+#     cells (and defaults) rebuilt recursively: numbers, strings, None and dtypes as themselves,
+#     nested functions rebuilt the same way (mods composed by `and_masks`, helpers the mod calls),
+#     tuples, lists and dicts item by item, functools.partial by its parts; each tensor becomes
+#     its fake value (shape, dtype, device: what tracing reads; symbolic sizes stay symbolic, so a
+#     trace that depends on one guards on it) and is a *leaf*; objects that exist outside the
+#     compiled region (functions, modules, `self`) are themselves in the rebuilt mod and are
+#     leaves too, so that the tensors they hold are reached from them by paths, as for any mod;
+#   - the hook hands the leaves (Dynamo's own variables) back to the traced code with a token
+#     naming the rebuilt mod; `_describe` traces the rebuilt mod like any other and returns the
+#     paths from the leaves (("item", j), ...) to the tensors it captured, and the traced code
+#     follows them, so every captured tensor enters the `flexfa::attention` op as what it is in
+#     the graph: gradients reach parameters and intermediates alike, and nothing is a constant.
+# The rebuilt mod and its trace exist only while Dynamo traces: the compiled graph holds the key
+# of the described call and the leaves as op inputs, so a training step reruns neither (the inner
+# function object is new at every call; nothing depends on its identity), and an optimizer step
+# recompiles nothing. What the rebuilt mod took as a constant is guarded by Dynamo as it guards
+# any constant it reads: a float read from an attribute, an int. A number Dynamo has made
+# dynamic (a size under `dynamic=True`, or a float that changed once) is specialized to its
+# value, with a warning: flexfa traces numbers as constants (a mask's analysis reasons about
+# them), so each value compiles its own graph; pass such a value in a tensor to keep one graph.
+# An object from outside is guarded by identity (as `assume_constant_result` guards objects):
+# numbers the tracer reads from its attributes are constants of the graph. Anything else a local
+# mod closes over (an object created inside the compiled region, a generator, ...) cannot be
+# rebuilt: `split` raises `LocalModError`, and the hook reports it as a Dynamo graph break whose
+# message names the mod, the variable and the fix (under fullgraph=True an error; otherwise the
+# call runs eagerly, where flexfa takes any mod).
+# This reads Dynamo's variables (their `code`, `closure`, `defaults` and the side effects'
+# `load_cell`), which torch does not promise to keep: tests/e2e/test_compile.py's local-mod
+# tests are what say that an installed torch still works with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Path = tuple[tuple[str, Any], ...]
+
+
+class LocalModError(TypeError):
+    """A local mod closes over something that cannot be taken into the compiled graph."""
+
+    def __init__(self, message: str, mod: str) -> None:
+        super().__init__(message)
+        self.mod = mod
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalMod:
+    """A local mod rebuilt as a Python function (Note [Local mods under torch.compile]).
+
+    `fn` has the mod's code and globals with its closure rebuilt; `anchors` maps id() of each
+    leaf in it (a tensor's fake value, an object from outside) to its path from the leaves,
+    (("item", j),)."""
+
+    fn: Callable[..., Any]
+    anchors: dict[int, Path]
+    rebuilt: frozenset[int]  # ids of the functions rebuilt here (their globals are read by module)
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+
+_pending: dict[str, LocalMod] = {}
+_lock = threading.Lock()
+_tokens = itertools.count()
+
+
+def take(token: str) -> LocalMod:
+    """The local mod registered under `token` by `split`, removed from the registry."""
+    with _lock:
+        return _pending.pop(token)
+
+
+class _Splitter:
+    """Walks Dynamo's variable for a local mod (see Note [Local mods under torch.compile])."""
+
+    def __init__(self, tx: Any, kind: str, name: str) -> None:
+        from torch._dynamo import variables as dv
+
+        self.dv = dv
+        self.tx = tx
+        self.kind = kind
+        self.name = name
+        self.leaves: list[Any] = []
+        self.anchors: dict[int, Path] = {}
+        self.rebuilt: set[int] = set()
+
+    def fail(self, where: str, what: str, fix: str) -> None:
+        raise LocalModError(
+            f"flexfa: the {self.kind} {self.name!r}, defined inside the compiled function, "
+            f"closes over {where}, {what}, which flexfa cannot take into the compiled graph. {fix}",
+            self.name,
+        )
+
+    def leaf(self, vt: Any, value: Any) -> Any:
+        if id(value) not in self.anchors:
+            self.anchors[id(value)] = (("item", len(self.leaves)),)
+            self.leaves.append(vt)
+        return value
+
+    def function(self, vt: Any) -> types.FunctionType:
+        code = vt.code.as_python_constant()
+        cells = None
+        if vt.closure:
+            cells = []
+            for name, cell in zip(code.co_freevars, vt.closure.items):
+                contents = self.tx.output.side_effects.load_cell(cell)
+                if contents is vt:
+                    self.fail(f"{name!r}", "itself (a recursive function)", _FIX_DEFINE)
+                cells.append(types.CellType(self.value(contents, f"{name!r}")))
+            cells = tuple(cells)
+        defaults = None
+        if vt.defaults:
+            defaults = tuple(
+                self.value(d, f"default {i} of {code.co_name!r}")
+                for i, d in enumerate(vt.defaults.items)
+            )
+        fn = types.FunctionType(code, vt.f_globals, code.co_name, defaults, cells)
+        if vt.kwdefaults:
+            fn.__kwdefaults__ = {
+                k: self.value(d, f"default {k!r} of {code.co_name!r}")
+                for k, d in vt.kwdefaults.keys_as_python_constant().items()
+            }
+        fn.__qualname__ = code.co_qualname if hasattr(code, "co_qualname") else code.co_name
+        self.rebuilt.add(id(fn))
+        return fn
+
+    def value(self, vt: Any, where: str) -> Any:
+        dv = self.dv
+        if isinstance(vt, dv.LazyVariableTracker) and not vt.is_realized():
+            raw = vt.peek_value()
+            if type(raw) in (int, float) and vt.source is not None:
+                # A number read from outside (an attribute, an argument) is a constant guarded
+                # by value, never a symbol: realizing it could make it one (dynamic=True).
+                from torch._dynamo.guards import GuardBuilder, install_guard
+
+                install_guard(vt.source.make_guard(GuardBuilder.CONSTANT_MATCH))
+                return raw
+        vt = vt.realize()
+        if isinstance(vt, dv.NestedUserFunctionVariable):
+            return self.function(vt)
+        if isinstance(vt, dv.FunctoolsPartialVariable):
+            func = self.value(vt.func, where)
+            args = [self.value(a, where) for a in vt.args]
+            keywords = {k: self.value(a, where) for k, a in vt.keywords.items()}
+            return functools.partial(func, *args, **keywords)
+        if isinstance(vt, dv.TensorVariable):
+            fake = vt.as_proxy().node.meta.get("example_value")
+            if not isinstance(fake, torch.Tensor):
+                self.fail(where, "a tensor Dynamo has no example value for", _FIX_TENSOR)
+            return self.leaf(vt, fake)
+        if isinstance(vt, dv.SymNodeVariable):
+            value = vt.evaluate_expr()  # specialize: a guard on this value
+            warnings.warn(
+                f"flexfa: the {self.kind} {self.name!r} closes over {where}, a number "
+                f"torch.compile treats as dynamic; flexfa traces it as the constant {value!r}, "
+                "so each value compiles its own graph (pass it in a tensor to keep one graph)",
+                stacklevel=2,
+            )
+            return value
+        if isinstance(vt, (dv.TupleVariable, dv.ListVariable)):
+            items = [self.value(item, where) for item in vt.items]
+            return list(items) if isinstance(vt, dv.ListVariable) else tuple(items)
+        if isinstance(vt, dv.ConstDictVariable):
+            try:
+                entries = vt.keys_as_python_constant()
+            except Exception:
+                self.fail(where, "a dict whose keys are not constants", _FIX_DEFINE)
+            return {k: self.value(item, where) for k, item in entries.items()}
+        if vt.is_python_constant():
+            value = vt.as_python_constant()
+            if isinstance(value, _SCALARS) or vt.source is None:
+                return value
+            return self.leaf(vt, value)  # a function or module from outside: tensors by paths
+        if isinstance(vt, (dv.UserDefinedObjectVariable, dv.NNModuleVariable)):
+            if vt.source is None:
+                self.fail(
+                    where,
+                    f"a {vt.python_type().__name__} created inside the compiled region",
+                    _FIX_OBJECT,
+                )
+            from torch._dynamo.guards import GuardBuilder, install_guard
+
+            install_guard(vt.make_guard(GuardBuilder.ID_MATCH))
+            return self.leaf(vt, vt.value)
+        try:
+            what = f"a {vt.python_type().__name__}"
+        except Exception:
+            what = f"a value Dynamo represents as {type(vt).__name__}"
+        self.fail(where, what, _FIX_OBJECT)
+        raise AssertionError("unreachable")
+
+
+_FIX_DEFINE = (
+    "Define the mod at module level (or build it outside the compiled function), or call "
+    "flexfa.attention outside the compiled region."
+)
+_FIX_TENSOR = "Read the tensor into a local variable of the compiled function before the mod."
+_FIX_OBJECT = (
+    "Close over tensors, numbers, strings, functions, or objects that exist outside the "
+    "compiled function (read the tensors you need into local variables first), or define the "
+    "mod outside the compiled function."
+)
+
+
+def is_local(vt: Any) -> bool:
+    """Whether Dynamo's variable `vt` is a function made inside the compiled region."""
+    from torch._dynamo import variables as dv
+
+    vt = vt.realize()
+    while isinstance(vt, dv.FunctoolsPartialVariable):
+        vt = vt.func.realize()
+    return isinstance(vt, dv.NestedUserFunctionVariable)
+
+
+def split(tx: Any, vt: Any, kind: str) -> tuple[str, list[Any]]:
+    """Rebuild the local mod `vt` (Note [Local mods under torch.compile]): register it under a
+    token and return (token, leaves), the leaves being Dynamo's variables."""
+    from torch._dynamo import variables as dv
+
+    target = vt.realize()
+    while isinstance(target, dv.FunctoolsPartialVariable):
+        target = target.func.realize()
+    name = target.code.as_python_constant().co_name
+    splitter = _Splitter(tx, kind, name)
+    fn = splitter.value(vt, "itself")
+    token = f"{kind}:{name}:{next(_tokens)}"
+    with _lock:
+        _pending[token] = LocalMod(fn, splitter.anchors, frozenset(splitter.rebuilt))
+    return token, splitter.leaves
