@@ -15,6 +15,11 @@
 #     captured tensor reaches the graph as what it is there: an `nn.Parameter` of the model, a
 #     buffer, an input, an intermediate. Guards on those tensors come with it, and a parameter's
 #     values changing (an optimizer step) changes nothing in the graph: no recompile.
+#   - A mod defined inside the compiled function exists only as Dynamo's variable, which can be
+#     neither passed to `_describe` nor followed by paths: `local_mod` rebuilds it first and
+#     `_describe` gets a token for the rebuilt mod, whose paths start at its roots (the tensors
+#     and outside objects of its closure, as Dynamo's variables): Note [Local mods under
+#     torch.compile] in flexfa/local_mods.py.
 #   - `torch.ops.flexfa.attention(q, k, v, score_tensors, mask_tensors, scalars, key, ...)` is a
 #     custom op with a fake (meta) implementation, so the graph has no break and dynamic shapes
 #     flow through it; its autograd formula is registered and calls `flexfa::attention_backward`,
@@ -27,9 +32,10 @@
 # through its mask_mod (rebuilt for the call's lengths, cached); block lists given by hand
 # (`BlockMask.from_kv_blocks`) are not supported under torch.compile and raise.
 # Lifted scalars (Note [Lifted scalars]) are passed as a `float[]` argument holding the values
-# `_describe` saw: graph constants. Dynamo guards on the identity of the mod it passes, so a new
-# mod object (a new `softcap(c)`, a new lambda) traces again; a float changed in place inside the
-# same mod's closure (`nonlocal`) is not seen until the graph is traced again.
+# `_describe` saw: graph constants. Dynamo guards on the identity of a mod defined outside the
+# compiled function, so a new mod object (a new `softcap(c)` made outside) traces again; a float
+# changed in place inside the same mod's closure (`nonlocal`) is not seen until the graph is
+# traced again. A local mod's floats are guarded by value (Note [Local mods under torch.compile]).
 # Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built in the warm-up run, outside
 # the graph's memory pool (Note [Caches under CUDA graphs] in flexfa/persist.py), and the recorded
 # graph replays the kernels with it: a mask_mod that reads a captured tensor (document ids) must
@@ -76,8 +82,8 @@ def tensor_paths(
     closure cells, globals it names, defaults, partial arguments, bound selves and attributes.
 
     For a local mod (Note [Local mods under torch.compile] in flexfa/local_mods.py), `anchors`
-    gives the paths of its leaves and `rebuilt` the ids of its rebuilt functions: a path through
-    those starts again at a leaf, or at `sys.modules` for a global they read; a value reached
+    gives the paths of its roots and `rebuilt` the ids of its rebuilt functions: a path through
+    those starts again at a root, or at `sys.modules` for a global they read; a value reached
     only through a rebuilt function's cell has no path (None)."""
     anchors = anchors or {}
     paths: dict[int, Path] = {}
@@ -156,7 +162,7 @@ def tensor_paths(
                 value(item, step(path, "attr", name), depth + 1)
 
     seen.add(id(fn))
-    function(fn, None if rebuilt else (), 0)  # a rebuilt mod is no root: its leaves are
+    function(fn, None if rebuilt else (), 0)  # a rebuilt mod is no root: its roots are
     return paths
 
 
@@ -309,7 +315,7 @@ def _describe(
     """Trace the mods in plain Python and register them (Note [flexfa under torch.compile]).
 
     `score_local`, `mask_local`: the tokens of local mods, passed instead of `score_mod` and
-    `block_mask` (Note [Local mods under torch.compile]); their paths start at their leaves.
+    `block_mask` (Note [Local mods under torch.compile]); their paths start at their roots.
 
     Returns (key, paths to the score_mod's tensors, which input each of its slots reads (None: a
     constant), paths to the mask_mod's tensors, lifted scalars)."""
@@ -589,7 +595,7 @@ def compiled_attention(
     if isinstance(score_mod, HeadsDependentMod):  # bound in the ops, per number of heads
         heads, score_mod = score_mod._make, None
     # Note [Local mods under torch.compile]: a mod defined inside the compiled function is
-    # rebuilt where Dynamo keeps it; `_describe` gets its token, `follow` starts at its leaves.
+    # rebuilt where Dynamo keeps it; `_describe` gets its token, `follow` starts at its roots.
     score_local = local_mod(score_mod, "score_mod") if score_mod is not None else None
     mask_local = local_mod(block_mask, "mask_mod") if block_mask is not None else None
     key, score_paths, score_inputs, mask_paths, scalars = _describe(
@@ -613,7 +619,7 @@ def compiled_attention(
 
 
 def local_mod(fn: Any, kind: str) -> tuple[str, tuple] | None:
-    """(token, leaves) of `fn` if it is a mod defined inside the compiled region, else None (Note
+    """(token, roots) of `fn` if it is a mod defined inside the compiled region, else None (Note
     [Local mods under torch.compile] in flexfa/local_mods.py). Traced by Dynamo: `comptime` runs
     `_split_hook` on Dynamo's variable for `fn`, which sets `split`; in eager Python it is None."""
     from torch._dynamo.comptime import comptime
@@ -634,7 +640,7 @@ def _split_hook(ctx: Any) -> None:
         return
     kind = ctx.get_local("kind").as_python_constant()
     try:
-        token, leaves = local_mods.split(tx, fn, kind)
+        token, roots = local_mods.split(tx, fn, kind)
     except local_mods.LocalModError as e:
         unimplemented(
             gb_type="flexfa: a mod defined inside the compiled function cannot be captured",
@@ -644,7 +650,7 @@ def _split_hook(ctx: Any) -> None:
             log_warning=True,
         )
     tx.symbolic_locals["split"] = dv.TupleVariable(
-        [dv.ConstantVariable.create(token), dv.TupleVariable(list(leaves))]
+        [dv.ConstantVariable.create(token), dv.TupleVariable(list(roots))]
     )
 
 

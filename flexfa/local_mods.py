@@ -18,31 +18,37 @@
 #     nested functions rebuilt the same way (mods composed by `and_masks`, helpers the mod calls),
 #     tuples, lists and dicts item by item, functools.partial by its parts; each tensor becomes
 #     its fake value (shape, dtype, device: what tracing reads; symbolic sizes stay symbolic, so a
-#     trace that depends on one guards on it) and is a *leaf*; objects that exist outside the
+#     trace that depends on one guards on it) and is a *root*; objects that exist outside the
 #     compiled region (functions, modules, `self`) are themselves in the rebuilt mod and are
-#     leaves too, so that the tensors they hold are reached from them by paths, as for any mod;
-#   - the hook hands the leaves (Dynamo's own variables) back to the traced code with a token
+#     roots too, so that the tensors they hold are reached from them by paths, as for any mod;
+#   - the hook hands the roots (Dynamo's own variables) back to the traced code with a token
 #     naming the rebuilt mod; `_describe` traces the rebuilt mod like any other and returns the
-#     paths from the leaves (("item", j), ...) to the tensors it captured, and the traced code
+#     paths from the roots (("item", j), ...) to the tensors it captured, and the traced code
 #     follows them, so every captured tensor enters the `flexfa::attention` op as what it is in
 #     the graph: gradients reach parameters and intermediates alike, and nothing is a constant.
 # The rebuilt mod and its trace exist only while Dynamo traces: the compiled graph holds the key
-# of the described call and the leaves as op inputs, so a training step reruns neither (the inner
-# function object is new at every call; nothing depends on its identity), and an optimizer step
-# recompiles nothing. What the rebuilt mod took as a constant is guarded by Dynamo as it guards
-# any constant it reads: a float read from an attribute, an int. A number Dynamo has made
-# dynamic (a size under `dynamic=True`, or a float that changed once) is specialized to its
-# value, with a warning: flexfa traces numbers as constants (a mask's analysis reasons about
-# them), so each value compiles its own graph; pass such a value in a tensor to keep one graph.
-# An object from outside is guarded by identity (as `assume_constant_result` guards objects):
-# numbers the tracer reads from its attributes are constants of the graph. Anything else a local
-# mod closes over (an object created inside the compiled region, a generator, ...) cannot be
-# rebuilt: `split` raises `LocalModError`, and the hook reports it as a Dynamo graph break whose
-# message names the mod, the variable and the fix (under fullgraph=True an error; otherwise the
-# call runs eagerly, where flexfa takes any mod).
-# This reads Dynamo's variables (their `code`, `closure`, `defaults` and the side effects'
-# `load_cell`), which torch does not promise to keep: tests/e2e/test_compile.py's local-mod
-# tests are what say that an installed torch still works with it.
+# of the described call and the roots' tensors as op inputs, so a training step reruns neither
+# (the inner function object is new at every call; nothing depends on its identity) and an
+# optimizer step recompiles nothing.
+# Numbers: a number read from outside (an attribute like `self.softcap`, an argument) is taken
+# before Dynamo could make it a symbol and guarded by value, so changing it compiles again; a
+# number computed in the compiled function that Dynamo treats as dynamic (a size under
+# `dynamic=True`) is specialized to its value, with a warning: flexfa traces numbers as constants
+# (a mask's analysis reasons about them), so each value compiles its own graph; a value kept in a
+# 0-dim tensor keeps one graph. An object from outside is guarded by identity (as
+# `assume_constant_result` guards objects); numbers the tracer reads from its attributes are
+# constants of the graph.
+# Anything else a local mod closes over (an object created inside the compiled region, ...) has no
+# value outside the graph: `split` raises `LocalModError`, and the hook reports it as a Dynamo
+# graph break whose message names the mod, the variable and the fix (under fullgraph=True an
+# error; otherwise the call runs eagerly, where flexfa takes any mod).
+# Why comptime: it is Dynamo's own hook for running code on its variables while it traces, and
+# it changes nothing for anyone else. Teaching Dynamo's function variables `__closure__` would
+# change Dynamo for every user, and torch's way for its own FlexAttention (a higher-order op that
+# traces the mod into a subgraph and lifts the tensors it reads) is reserved to torch's in-tree
+# operators. The hook reads Dynamo's variables (a function's `code`, `closure`, `defaults`,
+# `f_globals`, the side effects' `load_cell`), which torch does not promise to keep:
+# tests/e2e/test_compile_local_mods.py is what says that an installed torch still works with it.
 """
 
 from __future__ import annotations
@@ -74,7 +80,7 @@ class LocalMod:
     """A local mod rebuilt as a Python function (Note [Local mods under torch.compile]).
 
     `fn` has the mod's code and globals with its closure rebuilt; `anchors` maps id() of each
-    leaf in it (a tensor's fake value, an object from outside) to its path from the leaves,
+    root in it (a tensor's fake value, an object from outside) to its path from the roots,
     (("item", j),)."""
 
     fn: Callable[..., Any]
@@ -105,7 +111,7 @@ class _Splitter:
         self.tx = tx
         self.kind = kind
         self.name = name
-        self.leaves: list[Any] = []
+        self.roots: list[Any] = []
         self.anchors: dict[int, Path] = {}
         self.rebuilt: set[int] = set()
 
@@ -116,10 +122,10 @@ class _Splitter:
             self.name,
         )
 
-    def leaf(self, vt: Any, value: Any) -> Any:
+    def root(self, vt: Any, value: Any) -> Any:
         if id(value) not in self.anchors:
-            self.anchors[id(value)] = (("item", len(self.leaves)),)
-            self.leaves.append(vt)
+            self.anchors[id(value)] = (("item", len(self.roots)),)
+            self.roots.append(vt)
         return value
 
     def function(self, vt: Any) -> types.FunctionType:
@@ -172,7 +178,7 @@ class _Splitter:
             fake = vt.as_proxy().node.meta.get("example_value")
             if not isinstance(fake, torch.Tensor):
                 self.fail(where, "a tensor Dynamo has no example value for", _FIX_TENSOR)
-            return self.leaf(vt, fake)
+            return self.root(vt, fake)
         if isinstance(vt, dv.SymNodeVariable):
             value = vt.evaluate_expr()  # specialize: a guard on this value
             warnings.warn(
@@ -195,7 +201,7 @@ class _Splitter:
             value = vt.as_python_constant()
             if isinstance(value, _SCALARS) or vt.source is None:
                 return value
-            return self.leaf(vt, value)  # a function or module from outside: tensors by paths
+            return self.root(vt, value)  # a function or module from outside: tensors by paths
         if isinstance(vt, (dv.UserDefinedObjectVariable, dv.NNModuleVariable)):
             if vt.source is None:
                 self.fail(
@@ -206,7 +212,7 @@ class _Splitter:
             from torch._dynamo.guards import GuardBuilder, install_guard
 
             install_guard(vt.make_guard(GuardBuilder.ID_MATCH))
-            return self.leaf(vt, vt.value)
+            return self.root(vt, vt.value)
         try:
             what = f"a {vt.python_type().__name__}"
         except Exception:
@@ -239,7 +245,7 @@ def is_local(vt: Any) -> bool:
 
 def split(tx: Any, vt: Any, kind: str) -> tuple[str, list[Any]]:
     """Rebuild the local mod `vt` (Note [Local mods under torch.compile]): register it under a
-    token and return (token, leaves), the leaves being Dynamo's variables."""
+    token and return (token, roots), the roots being Dynamo's variables."""
     from torch._dynamo import variables as dv
 
     target = vt.realize()
@@ -251,4 +257,4 @@ def split(tx: Any, vt: Any, kind: str) -> tuple[str, list[Any]]:
     token = f"{kind}:{name}:{next(_tokens)}"
     with _lock:
         _pending[token] = LocalMod(fn, splitter.anchors, frozenset(splitter.rebuilt))
-    return token, splitter.leaves
+    return token, splitter.roots
