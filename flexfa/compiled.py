@@ -216,6 +216,8 @@ class Described:
     kernel_options: tuple[tuple[str, Any], ...]
     deterministic: bool
     enable_gqa: bool
+    # Captures of a local mask_mod computed inside the graph (Note [Local mods under CUDA graphs])
+    mask_computed: tuple[str, ...] = ()
 
     def bind(
         self,
@@ -358,6 +360,13 @@ def _describe(
         kernel_options=kernel_options,
         deterministic=deterministic,
         enable_gqa=enable_gqa,
+        mask_computed=tuple(
+            cap.name
+            for cap, t in zip(mask.captures, mask.tensors)
+            if local_mask is not None and id(t) in local_mask.computed
+        )
+        if mask is not None
+        else (),
     )
     constants = tuple(
         id(t)
@@ -379,6 +388,7 @@ def _describe(
             kernel_options,
             deterministic,
             enable_gqa,
+            described.mask_computed,
         )
     )
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -413,6 +423,14 @@ def _spec(
 ) -> AttentionSpec:
     shape = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
     _check_same_dtype(q, k, v)
+    if d.mask_computed and _capturing(q):
+        raise RuntimeError(
+            f"flexfa: the mask_mod {d.mask.name!r} reads {', '.join(d.mask_computed)}, computed "
+            "inside the compiled graph; under CUDA graphs (mode='reduce-overhead') its BlockMask "
+            "would be built while the graph is recorded, before that value exists (Note [Local "
+            "mods under CUDA graphs]). Compute it outside the compiled function and pass it in "
+            "as an input, or compile without CUDA graphs."
+        )
     B, Hq, _, Lq, Lkv, _, _ = shape
     if mask is None:
         from flexfa.blockmask.bind import _noop
@@ -669,6 +687,22 @@ def _mask_root(block_mask: Any) -> Any:
     if is_torch_block_mask(block_mask):
         return block_mask.mask_mod
     return block_mask
+
+
+# Note [Local mods under CUDA graphs]
+# A BlockMask is built from the values of the mask_mod's tensors. Under CUDA graphs the op runs
+# once more while the graph is recorded, where a cache miss is built on flexfa's builder thread
+# without waiting for the captured stream (Note [Caches under CUDA graphs]): the values it reads
+# are those already in memory. That holds for inputs, parameters and globals, whose memory holds
+# their values; a tensor the graph itself computes (a local mask_mod's intermediate, such as
+# document ids made in `forward`) has no value yet while the graph is recorded, so its BlockMask
+# would be built from stale memory and replayed: a silently wrong mask. So `_describe` records
+# which captures of a local mask_mod are computed in the graph (Note [Local mods under
+# torch.compile] in flexfa/local_mods.py), and building a BlockMask from them while a stream is
+# captured raises instead. A local score_mod's intermediates are fine: the kernels read them at
+# every replay.
+def _capturing(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _slots(grad_mask: int) -> frozenset[int]:

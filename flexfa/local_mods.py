@@ -86,6 +86,7 @@ class LocalMod:
     fn: Callable[..., Any]
     anchors: dict[int, Path]
     rebuilt: frozenset[int]  # ids of the functions rebuilt here (their globals are read by module)
+    computed: frozenset[int] = frozenset()  # ids of the tensors the graph computes (intermediates)
 
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
@@ -114,6 +115,7 @@ class _Splitter:
         self.roots: list[Any] = []
         self.anchors: dict[int, Path] = {}
         self.rebuilt: set[int] = set()
+        self.computed: set[int] = set()
 
     def fail(self, where: str, what: str, fix: str) -> None:
         raise LocalModError(
@@ -175,9 +177,12 @@ class _Splitter:
             keywords = {k: self.value(a, where) for k, a in vt.keywords.items()}
             return functools.partial(func, *args, **keywords)
         if isinstance(vt, dv.TensorVariable):
-            fake = vt.as_proxy().node.meta.get("example_value")
+            node = vt.as_proxy().node
+            fake = node.meta.get("example_value")
             if not isinstance(fake, torch.Tensor):
                 self.fail(where, "a tensor Dynamo has no example value for", _FIX_TENSOR)
+            if node.op not in ("placeholder", "get_attr"):
+                self.computed.add(id(fake))  # Note [Local mods under CUDA graphs]
             return self.root(vt, fake)
         if isinstance(vt, dv.SymNodeVariable):
             value = vt.evaluate_expr()  # specialize: a guard on this value
@@ -256,5 +261,7 @@ def split(tx: Any, vt: Any, kind: str) -> tuple[str, list[Any]]:
     fn = splitter.value(vt, "itself")
     token = f"{kind}:{name}:{next(_tokens)}"
     with _lock:
-        _pending[token] = LocalMod(fn, splitter.anchors, frozenset(splitter.rebuilt))
+        _pending[token] = LocalMod(
+            fn, splitter.anchors, frozenset(splitter.rebuilt), frozenset(splitter.computed)
+        )
     return token, splitter.roots

@@ -32,10 +32,15 @@ class Block(torch.nn.Module):
     """Attention as model code writes it: both mods are defined in `forward`. The score_mod closes
     over a float (softcap), a parameter and an intermediate that depends on another parameter; the
     mask_mod is composed by `and_masks` from `causal` and two closures, over an input (padding of
-    keys: left padding gives fully masked rows) and an intermediate (document ids)."""
+    keys: left padding gives fully masked rows) and document ids: an intermediate (computed from
+    `starts`), or with `documents_computed=False` the input itself (CUDA graphs need that: Note
+    [Local mods under CUDA graphs])."""
 
-    def __init__(self, attend=flexfa.attention, heads: int = 4, dim: int = 16) -> None:
+    def __init__(
+        self, attend=flexfa.attention, heads: int = 4, dim: int = 16, documents_computed=True
+    ) -> None:
         super().__init__()
+        self.documents_computed = documents_computed
         self.proj = torch.nn.Linear(dim, dim)
         self.bias = torch.nn.Parameter(torch.randn(heads, 32) * 0.5)
         self.decay = torch.nn.Parameter(torch.rand(heads) * 0.1)
@@ -54,7 +59,7 @@ class Block(torch.nn.Module):
             d = (q_idx - kv_idx).abs()
             return score + bias[h, d.clamp(0, 31)] - distance_bias[h, d]
 
-        documents = starts.cumsum(-1)  # an intermediate
+        documents = starts.cumsum(-1) if self.documents_computed else starts
 
         def same_document(b, h, q_idx, kv_idx):
             return documents[b, q_idx] == documents[b, kv_idx]
@@ -247,6 +252,23 @@ def test_a_dynamic_size_in_a_closure_is_specialized_with_a_warning():
     torch.testing.assert_close(out, f(q))
 
 
+def test_a_mask_computed_in_the_graph_is_refused_under_cuda_graphs(monkeypatch):
+    """Note [Local mods under CUDA graphs]: while a CUDA graph is recorded (stood in for here, so
+    that this runs on a CPU), a BlockMask built from a tensor the graph computes would read memory
+    not yet written: the op raises, naming the capture; from inputs it builds as usual."""
+    import flexfa.compiled
+
+    x, keep, starts, _ = _inputs(17, seed=6)
+    monkeypatch.setattr(flexfa.compiled, "_capturing", lambda q: True)
+    computed = torch.compile(Block(), fullgraph=True, backend="aot_eager")
+    with pytest.raises(RuntimeError, match="reads documents, computed inside the compiled graph"):
+        computed(x, keep, starts)
+    block = Block(documents_computed=False)
+    from_inputs = torch.compile(block, fullgraph=True, backend="aot_eager")
+    documents = starts.cumsum(-1)
+    torch.testing.assert_close(from_inputs(x, keep, documents), block(x, keep, documents))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
@@ -257,7 +279,7 @@ def test_local_mods_compiled_on_cuda(mode):
     test_triton_backend_compiled_on_cuda in tests/e2e/test_compile.py). The mask's tensors keep
     their values across replays, as CUDA graphs require (Note [flexfa under torch.compile])."""
     torch.manual_seed(5)
-    block = Block().cuda()
+    block = Block(documents_computed=mode == "default").cuda()
     block.backend = "triton"
     if mode == "default":
         counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
@@ -266,6 +288,8 @@ def test_local_mods_compiled_on_cuda(mode):
         counter = None
         compiled = torch.compile(block, fullgraph=True, mode=mode)
     x, keep, starts, cot = _inputs(1000, device="cuda", seed=5)
+    if not block.documents_computed:
+        starts = starts.cumsum(-1)  # the document ids, as an input
     opt = torch.optim.SGD(block.parameters(), lr=0.1)
     for step in range(3):  # cudagraph trees warm up, record, then replay
         opt.zero_grad(set_to_none=True)
@@ -278,3 +302,18 @@ def test_local_mods_compiled_on_cuda(mode):
     assert counter is None or counter.frame_count == 1
     for name, g, w in zip(("out", "dx", "d_bias", "d_decay", "d_proj"), got, want):
         torch.testing.assert_close(g, w, rtol=2e-2, atol=2e-2, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_mask_computed_in_the_graph_under_cuda_graphs_raises_on_cuda():
+    """The real case of the CPU test above: recording the graph raises instead of replaying a
+    BlockMask built from memory the graph had not written yet."""
+    block = Block().cuda()
+    block.backend = "triton"
+    compiled = torch.compile(block, fullgraph=True, mode="reduce-overhead")
+    x, keep, starts, _ = _inputs(300, device="cuda", seed=7)
+    with pytest.raises(RuntimeError, match="computed inside the compiled graph"):
+        for _ in range(3):  # warm-up, then recording
+            with torch.no_grad():
+                compiled(x, keep, starts)
