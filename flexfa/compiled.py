@@ -64,6 +64,7 @@ import torch
 from flexfa import backends, local_mods
 from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
+from flexfa.frontend.proxy import ModTraceError
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.layout import empty_like_query
 from flexfa.local_mods import LocalMod
@@ -614,8 +615,9 @@ def compiled_attention(
         heads, score_mod = score_mod._make, None
     # Note [Local mods under torch.compile]: a mod defined inside the compiled function is
     # rebuilt where Dynamo keeps it; `_describe` gets its token, `follow` starts at its roots.
-    score_local = local_mod(score_mod, "score_mod") if score_mod is not None else None
-    mask_local = local_mod(block_mask, "mask_mod") if block_mask is not None else None
+    device_type = q.device.type
+    score_local = local_mod(score_mod, "score_mod", device_type) if score_mod is not None else None
+    mask_local = local_mod(block_mask, "mask_mod", device_type) if block_mask is not None else None
     key, score_paths, score_inputs, mask_paths, scalars = _describe(
         None if score_local else score_mod, heads, None if mask_local else block_mask,
         q.device.type, backend, options, bool(deterministic), bool(enable_gqa),
@@ -636,7 +638,7 @@ def compiled_attention(
     return out, lse, row_max
 
 
-def local_mod(fn: Any, kind: str) -> tuple[str, tuple] | None:
+def local_mod(fn: Any, kind: str, device_type: str) -> tuple[str, tuple] | None:
     """(token, roots) of `fn` if it is a mod defined inside the compiled region, else None (Note
     [Local mods under torch.compile] in flexfa/local_mods.py). Traced by Dynamo: `comptime` runs
     `_split_hook` on Dynamo's variable for `fn`, which sets `split`; in eager Python it is None."""
@@ -657,12 +659,28 @@ def _split_hook(ctx: Any) -> None:
     if not local_mods.is_local(fn):
         return
     kind = ctx.get_local("kind").as_python_constant()
+    device = torch.device(ctx.get_local("device_type").as_python_constant())
     try:
         token, roots = local_mods.split(tx, fn, kind)
     except local_mods.LocalModError as e:
         unimplemented(
             gb_type="flexfa: a mod defined inside the compiled function cannot be captured",
             context=f"{kind} {e.mod!r}",
+            explanation=str(e),
+            hints=[],
+            log_warning=True,
+        )
+    # Traced here, where an error can be Dynamo's graph break with flexfa's message (raised from
+    # `_describe`, it would reach the user wrapped as an internal Dynamo error); `_describe`
+    # finds the trace in the trace cache.
+    try:
+        trace = trace_score_mod if kind == "score_mod" else trace_mask_mod
+        trace(local_mods.peek(token).fn, device=device)
+    except ModTraceError as e:
+        local_mods.take(token)
+        unimplemented(
+            gb_type="flexfa: a mod defined inside the compiled function cannot be traced",
+            context=str(e).split(":")[0],
             explanation=str(e),
             hints=[],
             log_warning=True,

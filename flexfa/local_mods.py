@@ -21,8 +21,9 @@
 #     trace that depends on one guards on it) and is a *root*; objects that exist outside the
 #     compiled region (functions, modules, `self`) are themselves in the rebuilt mod and are
 #     roots too, so that the tensors they hold are reached from them by paths, as for any mod;
-#   - the hook hands the roots (Dynamo's own variables) back to the traced code with a token
-#     naming the rebuilt mod; `_describe` traces the rebuilt mod like any other and returns the
+#   - the hook traces the rebuilt mod (so that flexfa's ModTraceError can be a graph break with
+#     its message, not an internal Dynamo error) and hands the roots (Dynamo's own variables)
+#     back to the traced code with a token naming the rebuilt mod; `_describe` traces the rebuilt mod like any other and returns the
 #     paths from the roots (("item", j), ...) to the tensors it captured, and the traced code
 #     follows them, so every captured tensor enters the `flexfa::attention` op as what it is in
 #     the graph: gradients reach parameters and intermediates alike, and nothing is a constant.
@@ -94,6 +95,12 @@ _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torc
 _pending: dict[str, LocalMod] = {}
 _lock = threading.Lock()
 _tokens = itertools.count()
+
+
+def peek(token: str) -> LocalMod:
+    """The local mod registered under `token` by `split`."""
+    with _lock:
+        return _pending[token]
 
 
 def take(token: str) -> LocalMod:

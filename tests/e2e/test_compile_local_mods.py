@@ -236,6 +236,22 @@ def test_an_uncapturable_closure_says_what_and_how_to_fix():
     torch.testing.assert_close(out, _uncapturable(q))
 
 
+def test_a_local_mod_flexfa_cannot_trace_says_why():
+    """flexfa's own message (flexfa.ModTraceError) reaches the user as Dynamo's graph break error,
+    not as an internal Dynamo error."""
+
+    def f(q):
+        cap = 2.0
+
+        def branchy(score, b, h, q_idx, kv_idx):
+            return score if score < cap else score * cap  # a Python branch on a traced value
+
+        return flexfa.attention(q, q, q, score_mod=branchy)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"score_mod 'branchy'.*torch\.where"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(torch.randn(1, 2, 9, 16))
+
+
 def test_a_dynamic_size_in_a_closure_is_specialized_with_a_warning():
     def f(q):
         half = q.shape[2] // 2  # a size: symbolic under dynamic=True
