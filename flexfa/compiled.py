@@ -542,7 +542,16 @@ def attention_backward_op(
     capture_grads = [
         grads[s] if s in grads else torch.zeros_like(tensors[s]) for s in sorted(slots)
     ]
-    return dq, dk, dv, capture_grads
+    return _like(dq, q), _like(dk, k), _like(dv, v), capture_grads
+
+
+def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`grad` in the strides of `x`, which the fake implementation promised (`empty_like`): a
+    backend may return another layout (that of the contiguous dout), and compiled code after the
+    op relies on the promise, e.g. viewing dq of a q transposed from (B, L, H, E) back."""
+    if grad.stride() == x.stride():
+        return grad
+    return torch.empty_like(x).copy_(grad)
 
 
 @attention_backward_op.register_fake
