@@ -333,3 +333,41 @@ def test_a_mask_computed_in_the_graph_under_cuda_graphs_raises_on_cuda():
         for _ in range(3):  # warm-up, then recording
             with torch.no_grad():
                 compiled(x, keep, starts)
+
+
+@pytest.mark.slow  # about 8 s of compiling on 2 CPU cores
+def test_transformers_flex_attention_forward_under_compile(monkeypatch):
+    """Hugging Face transformers' own FlexAttention forward, which defines its score_mod inside
+    the function (closing over the softcap float, a slice of the attention mask and a position
+    bias), with its call of torch's flex_attention pointed at flexfa: compiled with fullgraph, the
+    output and the gradients of q, k, v and the position bias equal the eager call's."""
+    hf_flex = pytest.importorskip("transformers.integrations.flex_attention")
+
+    def via_flexfa(query, key, value, score_mod=None, block_mask=None, enable_gqa=False,
+                   scale=None, kernel_options=None, training=False, **lse):  # fmt: skip
+        return flexfa.attention(query, key, value, score_mod=score_mod, block_mask=block_mask,
+                                scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+
+    monkeypatch.setattr(hf_flex, "compile_friendly_flex_attention", via_flexfa)
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 4, 19, 16, generator=g, requires_grad=True) for _ in range(3))
+    padding = torch.zeros(2, 1, 19, 24)
+    padding[1, ..., :5] = -1e4
+    position_bias = (torch.randn(2, 4, 19, 19, generator=g) * 0.3).requires_grad_(True)
+
+    def attend(q, k, v, position_bias):
+        out, _ = hf_flex.flex_attention_forward(
+            module, q, k, v, padding, softcap=8.0, position_bias=position_bias
+        )
+        return out
+
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    inputs = (q, k, v, position_bias)
+    out = torch.compile(attend, fullgraph=True, backend=counter)(*inputs)
+    got = (out, *torch.autograd.grad(out.square().sum(), inputs))
+    ref = attend(*inputs)
+    want = (ref, *torch.autograd.grad(ref.square().sum(), inputs))
+    for name, a, b in zip(("out", "dq", "dk", "dv", "d_position_bias"), got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    assert counter.frame_count == 1 and want[4].abs().sum() > 0
