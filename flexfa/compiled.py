@@ -67,11 +67,10 @@ from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.frontend.proxy import ModTraceError
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.layout import empty_like_query
-from flexfa.local_mods import LocalMod
+from flexfa.local_mods import LocalMod, Path
 from flexfa.mods import HeadsDependentMod
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 
-Path = tuple[tuple[str, Any], ...]
 _MAX_DEPTH = 5
 
 
@@ -669,33 +668,29 @@ def _split_hook(ctx: Any) -> None:
         return
     kind = ctx.get_local("kind").as_python_constant()
     device = torch.device(ctx.get_local("device_type").as_python_constant())
+    split = None
     try:
-        token, roots = local_mods.split(tx, fn, kind)
-    except local_mods.LocalModError as e:
-        unimplemented(
-            gb_type="flexfa: a mod defined inside the compiled function cannot be captured",
-            context=f"{kind} {e.mod!r}",
-            explanation=str(e),
-            hints=[],
-            log_warning=True,
-        )
-    # Traced here, where an error can be Dynamo's graph break with flexfa's message (raised from
-    # `_describe`, it would reach the user wrapped as an internal Dynamo error); `_describe`
-    # finds the trace in the trace cache.
-    try:
+        split = local_mods.split(tx, fn, kind)
+        # Traced here, where an error can be Dynamo's graph break with flexfa's message (raised
+        # from `_describe`, it would reach the user wrapped as an internal Dynamo error);
+        # `_describe` finds the trace in the trace cache.
+        local = local_mods.peek(split.token)
         trace = trace_score_mod if kind == "score_mod" else trace_mask_mod
-        trace(local_mods.peek(token).fn, device=device)
-    except ModTraceError as e:
-        local_mods.take(token)
+        local_mods.check_captures(local, trace(local.fn, device=device))
+    except (local_mods.LocalModError, ModTraceError) as e:
+        if split is not None:
+            local_mods.take(split.token)
+        what = "captured" if isinstance(e, local_mods.LocalModError) else "traced"
         unimplemented(
-            gb_type="flexfa: a mod defined inside the compiled function cannot be traced",
-            context=str(e).split(":")[0],
+            gb_type=f"flexfa: a mod defined inside the compiled function cannot be {what}",
+            context=f"{kind} {fn.code.as_python_constant().co_name!r}",
             explanation=str(e),
             hints=[],
             log_warning=True,
         )
+    # What `local_mod` returns, as Dynamo's variables: (token, roots).
     tx.symbolic_locals["split"] = dv.TupleVariable(
-        [dv.ConstantVariable.create(token), dv.TupleVariable(list(roots))]
+        [dv.ConstantVariable.create(split.token), dv.TupleVariable(list(split.roots))]
     )
 
 

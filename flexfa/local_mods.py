@@ -65,6 +65,7 @@ from typing import Any
 
 import torch
 
+# The steps from an object to a captured tensor, as `flexfa.compiled.follow` takes them.
 Path = tuple[tuple[str, Any], ...]
 
 
@@ -123,6 +124,7 @@ class _Splitter:
         self.anchors: dict[int, Path] = {}
         self.rebuilt: set[int] = set()
         self.computed: set[int] = set()
+        self.functions: dict[int, types.FunctionType] = {}  # by id of Dynamo's variable
 
     def fail(self, where: str, what: str, fix: str) -> None:
         raise LocalModError(
@@ -138,16 +140,13 @@ class _Splitter:
         return value
 
     def function(self, vt: Any) -> types.FunctionType:
+        """The rebuilt function; its cells are filled after it is registered, so that functions
+        that reach each other (or themselves) through their closures are rebuilt once each."""
+        found = self.functions.get(id(vt))
+        if found is not None:
+            return found
         code = vt.code.as_python_constant()
-        cells = None
-        if vt.closure:
-            cells = []
-            for name, cell in zip(code.co_freevars, vt.closure.items):
-                contents = self.tx.output.side_effects.load_cell(cell)
-                if contents is vt:
-                    self.fail(f"{name!r}", "itself (a recursive function)", _FIX_DEFINE)
-                cells.append(types.CellType(self.value(contents, f"{name!r}")))
-            cells = tuple(cells)
+        cells = tuple(types.CellType() for _ in code.co_freevars) if vt.closure else None
         defaults = None
         if vt.defaults:
             defaults = tuple(
@@ -162,6 +161,11 @@ class _Splitter:
             }
         fn.__qualname__ = code.co_qualname if hasattr(code, "co_qualname") else code.co_name
         self.rebuilt.add(id(fn))
+        self.functions[id(vt)] = fn
+        for name, cell, var in zip(
+            code.co_freevars, cells or (), vt.closure.items if cells else ()
+        ):
+            cell.cell_contents = self.value(self.tx.output.side_effects.load_cell(var), f"{name!r}")
         return fn
 
     def value(self, vt: Any, where: str) -> Any:
@@ -245,6 +249,26 @@ _FIX_OBJECT = (
 )
 
 
+def check_captures(local: LocalMod, traced: Any) -> None:
+    """Raise LocalModError if the trace of `local.fn` (a TracedMod) captured a tensor that is
+    neither a root nor reached from one: a tensor the mod computed itself from a root with torch
+    operations outside the values flexfa traces (`table[0]`, `table * 2`). From a real tensor
+    that is a constant of the graph (Note [flexfa under torch.compile]); from a root's fake value
+    it has no value at all."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    for t in traced.tensors:
+        if isinstance(t, FakeTensor) and id(t) not in local.anchors:
+            raise LocalModError(
+                f"flexfa: the {traced.kind} {traced.name!r}, defined inside the compiled "
+                "function, computes a tensor from the tensors it closes over with torch "
+                "operations of its own (such as `table[0]` or `table * 2` inside the mod); "
+                "flexfa can take into the compiled graph only the tensors a mod closes over. "
+                "Compute that tensor before defining the mod, and close over the result.",
+                traced.name,
+            )
+
+
 def is_local(vt: Any) -> bool:
     """Whether Dynamo's variable `vt` is a function made inside the compiled region."""
     from torch._dynamo import variables as dv
@@ -255,9 +279,17 @@ def is_local(vt: Any) -> bool:
     return isinstance(vt, dv.NestedUserFunctionVariable)
 
 
-def split(tx: Any, vt: Any, kind: str) -> tuple[str, list[Any]]:
-    """Rebuild the local mod `vt` (Note [Local mods under torch.compile]): register it under a
-    token and return (token, roots), the roots being Dynamo's variables."""
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """A local mod's token (the key of its rebuilt function until `_describe` takes it) and its
+    roots, Dynamo's variables for the tensors and outside objects of its closure."""
+
+    token: str
+    roots: tuple[Any, ...]
+
+
+def split(tx: Any, vt: Any, kind: str) -> Split:
+    """Rebuild the local mod `vt` (Note [Local mods under torch.compile]) and register it."""
     from torch._dynamo import variables as dv
 
     target = vt.realize()
@@ -271,4 +303,4 @@ def split(tx: Any, vt: Any, kind: str) -> tuple[str, list[Any]]:
         _pending[token] = LocalMod(
             fn, splitter.anchors, frozenset(splitter.rebuilt), frozenset(splitter.computed)
         )
-    return token, splitter.roots
+    return Split(token, tuple(splitter.roots))

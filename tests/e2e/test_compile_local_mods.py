@@ -236,6 +236,55 @@ def test_an_uncapturable_closure_says_what_and_how_to_fix():
     torch.testing.assert_close(out, _uncapturable(q))
 
 
+def test_a_tensor_computed_inside_the_mod_says_what_and_how_to_fix():
+    """`table * 2` inside the mod is a torch operation on the captured tensor itself, outside the
+    values flexfa traces: eagerly a constant of the call, under torch.compile it has no value."""
+    table = torch.randn(2, 9)
+
+    def f(q):
+        t = table + 1  # an intermediate: the mod's root
+
+        def doubled(score, b, h, q_idx, kv_idx):
+            return score + (t * 2)[h, kv_idx]
+
+        return flexfa.attention(q, q, q, score_mod=doubled)
+
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="Compute that tensor before"):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(torch.randn(1, 2, 9, 16))
+
+
+def test_mods_that_reach_each_other_are_rebuilt_once_each():
+    """Helpers a local mod calls, which call each other through their closures, and a 0-dim
+    intermediate that gets its gradient."""
+    weight = torch.randn(3, requires_grad=True)
+
+    def f(q):
+        shift = weight[0] * 2
+
+        def even(n):
+            return n == 0 or odd(n - 1)
+
+        def odd(n):
+            return n != 0 and even(n - 1)
+
+        def shifted(x):
+            return x + shift if even(4) else x
+
+        def mod(score, b, h, q_idx, kv_idx):
+            return shifted(score) * 0.5 + shifted(score)
+
+        return flexfa.attention(q, q, q, score_mod=mod)
+
+    q = torch.randn(1, 2, 9, 16)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q)
+    (got,) = torch.autograd.grad(out.sum(), weight)
+    ref = f(q)
+    (want,) = torch.autograd.grad(ref.sum(), weight)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(got, want)
+    assert got.abs().sum() > 0
+
+
 def test_a_local_mod_flexfa_cannot_trace_says_why():
     """flexfa's own message (flexfa.ModTraceError) reaches the user as Dynamo's graph break error,
     not as an internal Dynamo error."""
