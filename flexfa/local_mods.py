@@ -40,7 +40,9 @@
 # `assume_constant_result` guards objects); numbers the tracer reads from its attributes are
 # constants of the graph.
 # Anything else a local mod closes over (an object created inside the compiled region, ...) has no
-# value outside the graph: `split` raises `LocalModError`, and the hook reports it as a Dynamo
+# value outside the graph, nor has a tensor the mod computes itself from a root's fake value with
+# torch operations outside the traced values (`table * 2` inside the mod: `check_captures`):
+# `split` or `check_captures` raises `LocalModError`, and the hook reports it as a Dynamo
 # graph break whose message names the mod, the variable and the fix (under fullgraph=True an
 # error; otherwise the call runs eagerly, where flexfa takes any mod).
 # Why comptime: it is Dynamo's own hook for running code on its variables while it traces, and
