@@ -162,7 +162,7 @@ def tensor_paths(
                 value(item, step(path, "attr", name), depth + 1)
 
     seen.add(id(fn))
-    function(fn, None if rebuilt else (), 0)  # a rebuilt mod is no root: its roots are
+    function(fn, None if rebuilt else (), 0)  # a rebuilt mod is not followed: its roots are
     return paths
 
 
@@ -683,7 +683,7 @@ def _split_hook(ctx: Any) -> None:
         what = "captured" if isinstance(e, local_mods.LocalModError) else "traced"
         unimplemented(
             gb_type=f"flexfa: a mod defined inside the compiled function cannot be {what}",
-            context=f"{kind} {fn.code.as_python_constant().co_name!r}",
+            context=kind,
             explanation=str(e),
             hints=[],
             log_warning=True,

@@ -272,13 +272,13 @@ def check_captures(local: LocalMod, traced: Any) -> None:
 
 
 def is_local(vt: Any) -> bool:
-    """Whether Dynamo's variable `vt` is a function made inside the compiled region."""
+    """Whether Dynamo's variable `vt` is a mod to rebuild: a function made inside the compiled
+    region, or a functools.partial (which Dynamo cannot pass as a constant either, wherever it
+    was made)."""
     from torch._dynamo import variables as dv
 
     vt = vt.realize()
-    while isinstance(vt, dv.FunctoolsPartialVariable):
-        vt = vt.func.realize()
-    return isinstance(vt, dv.NestedUserFunctionVariable)
+    return isinstance(vt, (dv.NestedUserFunctionVariable, dv.FunctoolsPartialVariable))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,7 +297,10 @@ def split(tx: Any, vt: Any, kind: str) -> Split:
     target = vt.realize()
     while isinstance(target, dv.FunctoolsPartialVariable):
         target = target.func.realize()
-    name = target.code.as_python_constant().co_name
+    try:
+        name = target.get_name()  # a Python function's, made here or outside
+    except Exception:
+        name = kind
     splitter = _Splitter(tx, kind, name)
     fn = splitter.value(vt, "itself")
     token = f"{kind}:{name}:{next(_tokens)}"

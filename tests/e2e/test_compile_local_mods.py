@@ -9,6 +9,7 @@ the GPU tests run the Triton backend under Inductor, also with CUDA graphs.
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -280,6 +281,38 @@ def test_mods_that_reach_each_other_are_rebuilt_once_each():
     (got,) = torch.autograd.grad(out.sum(), weight)
     ref = f(q)
     (want,) = torch.autograd.grad(ref.sum(), weight)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(got, want)
+    assert got.abs().sum() > 0
+
+
+TABLE = torch.nn.Parameter(torch.randn(2, 16) * 0.5)
+
+
+def scaled_bias(score, b, h, q_idx, kv_idx, table, scale):
+    return score * scale + table[h, (q_idx - kv_idx).clamp(0, 15)]
+
+
+OUTSIDE = functools.partial(scaled_bias, table=TABLE, scale=0.5)
+
+
+@pytest.mark.parametrize("where", ["outside", "inside"])
+def test_functools_partial_mods_get_their_gradients(where):
+    """A functools.partial is rebuilt like a local mod, made outside the compiled function (Dynamo
+    cannot pass it as a constant either) or inside; its tensor arguments are op inputs."""
+
+    def f(q):
+        if where == "outside":
+            return flexfa.attention(q, q, q, score_mod=OUTSIDE)
+        table = TABLE * 1  # an intermediate
+        mod = functools.partial(scaled_bias, table=table, scale=0.25)
+        return flexfa.attention(q, q, q, score_mod=mod)
+
+    q = torch.randn(1, 2, 19, 16)
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(q)
+    (got,) = torch.autograd.grad(out.square().sum(), TABLE)
+    ref = f(q)
+    (want,) = torch.autograd.grad(ref.square().sum(), TABLE)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(got, want)
     assert got.abs().sum() > 0
