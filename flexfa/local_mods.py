@@ -96,6 +96,7 @@ class LocalMod:
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
 
 _pending: dict[str, LocalMod] = {}
+_MAX_PENDING = 64
 _lock = threading.Lock()
 _tokens = itertools.count()
 
@@ -308,4 +309,6 @@ def split(tx: Any, vt: Any, kind: str) -> Split:
         _pending[token] = LocalMod(
             fn, splitter.anchors, frozenset(splitter.rebuilt), frozenset(splitter.computed)
         )
+        while len(_pending) > _MAX_PENDING:  # left by traces Dynamo restarted before `_describe`
+            _pending.pop(next(iter(_pending)))
     return Split(token, tuple(splitter.roots))
