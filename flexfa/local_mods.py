@@ -11,21 +11,24 @@
 # Python function (`assume_constant_result` fails with "failed to convert closure cell to Python
 # constant"), and traced code cannot read `fn.__closure__` of such a function either.
 # So flexfa splits a local mod where Dynamo keeps it, while Dynamo traces the call:
-#   - `flexfa.compiled.local_mod(fn, kind)` calls `torch._dynamo.comptime` with `_split_hook`,
-#     which receives Dynamo's variable for `fn` and walks it with `split` below;
+#   - `flexfa.compiled.local_mod(fn, kind, device_type)` calls `torch._dynamo.comptime` with
+#     `_split_hook`, which receives Dynamo's variable for `fn` and walks it with `split` below
+#     (also for a functools.partial made outside, which Dynamo cannot pass as a constant either);
 #   - `split` rebuilds the mod as a plain Python function: the same code object and globals, its
 #     cells (and defaults) rebuilt recursively: numbers, strings, None and dtypes as themselves,
-#     nested functions rebuilt the same way (mods composed by `and_masks`, helpers the mod calls),
-#     tuples, lists and dicts item by item, functools.partial by its parts; each tensor becomes
+#     nested functions rebuilt the same way, once each (mods composed by `and_masks`, helpers
+#     the mod calls, closures that call each other), tuples, lists and dicts item by item,
+#     functools.partial by its parts; a global of a rebuilt function is reached through
+#     `sys.modules` (("module", name), ("attr", global)); each tensor becomes
 #     its fake value (shape, dtype, device: what tracing reads; symbolic sizes stay symbolic, so a
 #     trace that depends on one guards on it) and is a *root*; objects that exist outside the
 #     compiled region (functions, modules, `self`) are themselves in the rebuilt mod and are
 #     roots too, so that the tensors they hold are reached from them by paths, as for any mod;
 #   - the hook traces the rebuilt mod (so that flexfa's ModTraceError can be a graph break with
 #     its message, not an internal Dynamo error) and hands the roots (Dynamo's own variables)
-#     back to the traced code with a token naming the rebuilt mod; `_describe` traces the rebuilt mod like any other and returns the
-#     paths from the roots (("item", j), ...) to the tensors it captured, and the traced code
-#     follows them, so every captured tensor enters the `flexfa::attention` op as what it is in
+#     back to the traced code with a token naming the rebuilt mod (`Split`); `_describe` takes
+#     the rebuilt mod by its token, finds its trace and returns the paths from the roots
+#     (("item", j), ...) to the tensors it captured, and the traced code follows them, so every captured tensor enters the `flexfa::attention` op as what it is in
 #     the graph: gradients reach parameters and intermediates alike, and nothing is a constant.
 # The rebuilt mod and its trace exist only while Dynamo traces: the compiled graph holds the key
 # of the described call and the roots' tensors as op inputs, so a training step reruns neither
