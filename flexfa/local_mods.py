@@ -28,8 +28,9 @@
 #     its message, not an internal Dynamo error) and hands the roots (Dynamo's own variables)
 #     back to the traced code with a token naming the rebuilt mod (`Split`); `_describe` takes
 #     the rebuilt mod by its token, finds its trace and returns the paths from the roots
-#     (("item", j), ...) to the tensors it captured, and the traced code follows them, so every captured tensor enters the `flexfa::attention` op as what it is in
-#     the graph: gradients reach parameters and intermediates alike, and nothing is a constant.
+#     (("item", j), ...) to the tensors it captured, and the traced code follows them, so every
+#     captured tensor enters the `flexfa::attention` op as what it is in the graph: gradients
+#     reach parameters and intermediates alike, and nothing is a constant.
 # The rebuilt mod and its trace exist only while Dynamo traces: the compiled graph holds the key
 # of the described call and the roots' tensors as op inputs, so a training step reruns neither
 # (the inner function object is new at every call; nothing depends on its identity) and an
