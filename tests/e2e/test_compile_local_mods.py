@@ -120,6 +120,51 @@ def test_local_mods_forward_backward_three_way():
     assert torch.all(got[0][1, :, :3] == 0)  # fully masked rows give 0
 
 
+def test_local_mods_gqa_and_other_lengths_three_way():
+    """Lq != Lkv (odd both) and GQA: local mods over a parameter and an input, against eager
+    float32 and the float64 reference (three-way rule), gradients of q, k, v and the parameter."""
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 4, 13, 16, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 29, 16, generator=g, dtype=torch.float64) for _ in range(2))
+    table = torch.randn(4, 29, generator=g, dtype=torch.float64) * 0.5
+    offset = torch.tensor(16, dtype=torch.int32)  # the queries are the last 13 positions
+
+    def attend(attention, q, k, v, table):
+        def bias(score, b, h, q_idx, kv_idx):
+            return score + table[h, kv_idx]
+
+        def causal_from_offset(b, h, q_idx, kv_idx):
+            return q_idx + offset >= kv_idx
+
+        return attention(q, k, v, bias, causal_from_offset)
+
+    def flexfa_attention(q, k, v, score_mod, mask_mod):
+        return flexfa.attention(q, k, v, score_mod=score_mod, block_mask=mask_mod, enable_gqa=True)
+
+    def reference_in(dtype):
+        def run(q, k, v, score_mod, mask_mod):
+            out, _ = reference_attention(q, k, v, score_mod, mask_mod, enable_gqa=True, dtype=dtype)
+            return out
+
+        return run
+
+    def grads(fn, dtype):
+        leaves = [t.to(dtype).requires_grad_(True) for t in (q, k, v, table)]
+        out = fn(*leaves)
+        return [out.detach(), *torch.autograd.grad(out.square().sum(), leaves)]
+
+    compiled = torch.compile(
+        functools.partial(attend, flexfa_attention), fullgraph=True, backend="aot_eager"
+    )
+    got = grads(compiled, torch.float32)
+    want = grads(functools.partial(attend, reference_in(torch.float32)), torch.float32)
+    true = grads(functools.partial(attend, reference_in(torch.float64)), torch.float64)
+    check = ThreeWay(torch.float32, context="GQA 4/2, Lq=13, Lkv=29")
+    for name, a, e, t in zip(("out", "dq", "dk", "dv", "d_table"), got, want, true):
+        check(name, a, e, t)
+    check.assert_ok()
+
+
 def test_local_mods_no_recompile_over_optimizer_steps():
     """The inner functions are new objects at every call and the optimizer changes the parameters'
     values: neither retraces nor recompiles."""
