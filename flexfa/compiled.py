@@ -628,7 +628,7 @@ def compiled_attention(
     mask_local = local_mod(block_mask, "mask_mod", device_type) if block_mask is not None else None
     key, score_paths, score_inputs, mask_paths, scalars = _describe(
         None if score_local else score_mod, heads, None if mask_local else block_mask,
-        q.device.type, backend, options, bool(deterministic), bool(enable_gqa),
+        device_type, backend, options, bool(deterministic), bool(enable_gqa),
         score_local[0] if score_local else None, mask_local[0] if mask_local else None,
     )  # fmt: skip
     score_root = score_local[1] if score_local else score_mod
