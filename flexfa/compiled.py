@@ -15,6 +15,11 @@
 #     captured tensor reaches the graph as what it is there: an `nn.Parameter` of the model, a
 #     buffer, an input, an intermediate. Guards on those tensors come with it, and a parameter's
 #     values changing (an optimizer step) changes nothing in the graph: no recompile.
+#   - A mod defined inside the compiled function exists only as Dynamo's variable, which can be
+#     neither passed to `_describe` nor followed by paths: `local_mod` rebuilds it first and
+#     `_describe` gets a token for the rebuilt mod, whose paths start at its roots (the tensors
+#     and outside objects of its closure, as Dynamo's variables): Note [Local mods under
+#     torch.compile] in flexfa/local_mods.py.
 #   - `torch.ops.flexfa.attention(q, k, v, score_tensors, mask_tensors, scalars, key, ...)` is a
 #     custom op with a fake (meta) implementation, so the graph has no break and dynamic shapes
 #     flow through it; its autograd formula is registered and calls `flexfa::attention_backward`,
@@ -27,9 +32,10 @@
 # through its mask_mod (rebuilt for the call's lengths, cached); block lists given by hand
 # (`BlockMask.from_kv_blocks`) are not supported under torch.compile and raise.
 # Lifted scalars (Note [Lifted scalars]) are passed as a `float[]` argument holding the values
-# `_describe` saw: graph constants. Dynamo guards on the identity of the mod it passes, so a new
-# mod object (a new `softcap(c)`, a new lambda) traces again; a float changed in place inside the
-# same mod's closure (`nonlocal`) is not seen until the graph is traced again.
+# `_describe` saw: graph constants. Dynamo guards on the identity of a mod defined outside the
+# compiled function, so a new mod object (a new `softcap(c)` made outside) traces again; a float
+# changed in place inside the same mod's closure (`nonlocal`) is not seen until the graph is
+# traced again. A local mod's floats are guarded by value (Note [Local mods under torch.compile]).
 # Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built in the warm-up run, outside
 # the graph's memory pool (Note [Caches under CUDA graphs] in flexfa/persist.py), and the recorded
 # graph replays the kernels with it: a mask_mod that reads a captured tensor (document ids) must
@@ -44,7 +50,9 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import sys
 import threading
 import types
 import warnings
@@ -53,79 +61,117 @@ from typing import Any
 
 import torch
 
-from flexfa import backends
+from flexfa import backends, local_mods
 from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
+from flexfa.frontend.proxy import ModTraceError
 from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
 from flexfa.layout import empty_like_query
+from flexfa.local_mods import LocalMod, Path
 from flexfa.mods import HeadsDependentMod
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 
-Path = tuple[tuple[str, Any], ...]
 _MAX_DEPTH = 5
 
 
 # -- where captured tensors live --------------------------------------------------------------------
-def tensor_paths(fn: Any) -> dict[int, Path]:
+def tensor_paths(
+    fn: Any, anchors: Mapping[int, Path] | None = None, rebuilt: frozenset[int] = frozenset()
+) -> dict[int, Path]:
     """id(tensor) -> the attribute path from `fn` to it, for every tensor `fn` can reach through
-    closure cells, globals it names, defaults, partial arguments, bound selves and attributes."""
+    closure cells, globals it names, defaults, partial arguments, bound selves and attributes.
+
+    For a local mod (Note [Local mods under torch.compile] in flexfa/local_mods.py), `anchors`
+    gives the paths of its roots and `rebuilt` the ids of its rebuilt functions: a path through
+    those starts again at a root, or at `sys.modules` for a global they read; a value reached
+    only through a rebuilt function's cell has no path (None)."""
+    anchors = anchors or {}
     paths: dict[int, Path] = {}
     seen: set[int] = set()
 
-    def value(v: Any, path: Path, depth: int) -> None:
+    def step(path: Path | None, kind: str, arg: Any) -> Path | None:
+        return None if path is None else (*path, (kind, arg))
+
+    def value(v: Any, path: Path | None, depth: int) -> None:
+        if id(v) in anchors:
+            path, depth = anchors[id(v)], 0
         if isinstance(v, torch.Tensor):
-            paths.setdefault(id(v), path)
+            if path is not None:
+                paths.setdefault(id(v), path)
             return
         if depth > _MAX_DEPTH or id(v) in seen or v is None or isinstance(v, (str, int, float)):
             return
         if isinstance(v, (types.ModuleType, type)):
             return
-        seen.add(id(v))
+        if path is not None:  # reached without a path: a later visit may have one
+            seen.add(id(v))
         if isinstance(v, (tuple, list)) and len(v) <= 64:
             for i, item in enumerate(v):
-                value(item, (*path, ("item", i)), depth + 1)
+                value(item, step(path, "item", i), depth + 1)
         elif isinstance(v, dict) and len(v) <= 64:
             for key, item in v.items():
                 if isinstance(key, (str, int)):
-                    value(item, (*path, ("item", key)), depth + 1)
+                    value(item, step(path, "item", key), depth + 1)
         elif isinstance(v, torch.nn.Module):
             for name, t in [*v.named_parameters(recurse=False), *v.named_buffers(recurse=False)]:
-                paths.setdefault(id(t), (*path, ("attr", name)))
+                if path is not None:
+                    paths.setdefault(id(t), (*path, ("attr", name)))
             for name, child in v.named_children():
-                value(child, (*path, ("attr", name)), depth + 1)
+                value(child, step(path, "attr", name), depth + 1)
             for name, item in vars(v).items():
                 if not name.startswith("_"):
-                    value(item, (*path, ("attr", name)), depth + 1)
+                    value(item, step(path, "attr", name), depth + 1)
         elif callable(v):
             function(v, path, depth)
 
-    def function(f: Any, path: Path, depth: int) -> None:
+    def function(f: Any, path: Path | None, depth: int) -> None:
         code = getattr(f, "__code__", None)
         if isinstance(f, torch.nn.Module):
             seen.discard(id(f))
             value(f, path, depth)
         elif isinstance(f, types.FunctionType) and code is not None:
+            local = id(f) in rebuilt
+            inner = None if local else path  # a rebuilt function's cells are not followed
             for i, cell in enumerate(f.__closure__ or ()):
                 try:
                     contents = cell.cell_contents
                 except ValueError:
                     continue
-                value(contents, (*path, ("cell", i)), depth + 1)
+                value(contents, step(inner, "cell", i), depth + 1)
             for name in code.co_names:
                 if name in f.__globals__:
-                    value(f.__globals__[name], (*path, ("global", name)), depth + 1)
+                    where = (
+                        _module_path(f.__globals__, name) if local else step(path, "global", name)
+                    )
+                    value(f.__globals__[name], where, depth + 1)
             for i, d in enumerate(f.__defaults__ or ()):
-                value(d, (*path, ("default", i)), depth + 1)
+                value(d, step(inner, "default", i), depth + 1)
+            for d in (f.__kwdefaults__ or {}).values():  # found by anchor (local mods) only
+                value(d, None, depth + 1)
+        elif isinstance(f, functools.partial):
+            value(f.func, step(path, "attr", "func"), depth + 1)
+            for i, item in enumerate(f.args):
+                value(item, step(step(path, "attr", "args"), "item", i), depth + 1)
+            for key, item in f.keywords.items():
+                value(item, step(step(path, "attr", "keywords"), "item", key), depth + 1)
         elif isinstance(f, types.MethodType):
-            value(f.__self__, (*path, ("self", None)), depth + 1)
-            function(f.__func__, (*path, ("func", None)), depth + 1)
+            value(f.__self__, step(path, "self", None), depth + 1)
+            function(f.__func__, step(path, "func", None), depth + 1)
         elif hasattr(f, "__dict__") and not isinstance(f, types.BuiltinFunctionType):
             for name, item in vars(f).items():
-                value(item, (*path, ("attr", name)), depth + 1)
+                value(item, step(path, "attr", name), depth + 1)
 
     seen.add(id(fn))
-    function(fn, (), 0)
+    function(fn, None if rebuilt else (), 0)  # a rebuilt mod is not followed: its roots are
     return paths
+
+
+def _module_path(globals_: dict[str, Any], name: str) -> Path | None:
+    """The path to a global of a rebuilt local mod: through `sys.modules`, where its module is."""
+    module = sys.modules.get(globals_.get("__name__", ""))
+    if module is None or getattr(module, "__dict__", None) is not globals_:
+        return None
+    return (("module", module.__name__), ("attr", name))
 
 
 def follow(root: Any, path: Path) -> Any:
@@ -144,6 +190,8 @@ def follow(root: Any, path: Path) -> Any:
             obj = obj.__func__
         elif kind == "attr":
             obj = getattr(obj, arg)
+        elif kind == "module":  # a local mod's global (Note [Local mods under torch.compile])
+            obj = sys.modules[arg]
         else:  # "item"
             obj = obj[arg]
     return obj
@@ -168,6 +216,8 @@ class Described:
     kernel_options: tuple[tuple[str, Any], ...]
     deterministic: bool
     enable_gqa: bool
+    # Captures of a local mask_mod computed inside the graph (Note [Local mods under CUDA graphs])
+    mask_computed: tuple[str, ...] = ()
 
     def bind(
         self,
@@ -199,11 +249,11 @@ _lock = threading.Lock()
 
 
 def _paths_for(
-    traced: TracedMod | None, fn: Any
+    traced: TracedMod | None, fn: Any, local: LocalMod | None = None
 ) -> tuple[tuple[Path, ...], tuple[int | None, ...]]:
     if traced is None or not traced.tensors:
         return (), ()
-    found = tensor_paths(fn)
+    found = tensor_paths(fn) if local is None else tensor_paths(fn, local.anchors, local.rebuilt)
     paths: list[Path] = []
     inputs: list[int | None] = []
     for t in traced.tensors:
@@ -261,19 +311,30 @@ def _describe(
     kernel_options: tuple[tuple[str, Any], ...],
     deterministic: bool,
     enable_gqa: bool,
+    score_local: str | None = None,
+    mask_local: str | None = None,
 ) -> tuple:
     """Trace the mods in plain Python and register them (Note [flexfa under torch.compile]).
+
+    `score_local`, `mask_local`: the tokens of local mods, passed instead of `score_mod` and
+    `block_mask` (Note [Local mods under torch.compile]); their paths start at their roots.
 
     Returns (key, paths to the score_mod's tensors, which input each of its slots reads (None: a
     constant), paths to the mask_mod's tensors, lifted scalars)."""
     device = torch.device(device_type)
+    local_score = local_mods.take(score_local) if score_local is not None else None
+    local_mask = local_mods.take(mask_local) if mask_local is not None else None
+    if local_score is not None:
+        score_mod = local_score.fn
+    if local_mask is not None:
+        block_mask = local_mask.fn
     score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
     if score is not None and score.is_identity:
         score = None
     mask_fn, block_size = _mask_parts(block_mask)
     mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
-    score_paths, score_inputs = _paths_for(score, score_mod)  # no paths for a bound mod
-    mask_paths, mask_inputs = _paths_for(mask, mask_fn)
+    score_paths, score_inputs = _paths_for(score, score_mod, local_score)  # none for a bound mod
+    mask_paths, mask_inputs = _paths_for(mask, mask_fn, local_mask)
     for traced, inputs in ((score, score_inputs), (mask, mask_inputs)):
         for cap, t, i in zip(
             traced.captures if traced else (), traced.tensors if traced else (), inputs
@@ -299,6 +360,13 @@ def _describe(
         kernel_options=kernel_options,
         deterministic=deterministic,
         enable_gqa=enable_gqa,
+        mask_computed=tuple(
+            cap.name
+            for cap, t in zip(mask.captures, mask.tensors)
+            if local_mask is not None and id(t) in local_mask.computed
+        )
+        if mask is not None
+        else (),
     )
     constants = tuple(
         id(t)
@@ -320,6 +388,7 @@ def _describe(
             kernel_options,
             deterministic,
             enable_gqa,
+            described.mask_computed,
         )
     )
     key = hashlib.sha256(text.encode()).hexdigest()[:20]
@@ -354,6 +423,14 @@ def _spec(
 ) -> AttentionSpec:
     shape = validate_qkv(q, k, v, enable_gqa=d.enable_gqa)
     _check_same_dtype(q, k, v)
+    if d.mask_computed and _capturing(q):
+        raise RuntimeError(
+            f"flexfa: the mask_mod {d.mask.name!r} reads {', '.join(d.mask_computed)}, computed "
+            "inside the compiled graph; under CUDA graphs (mode='reduce-overhead') its BlockMask "
+            "would be built while the graph is recorded, before that value exists (Note [Local "
+            "mods under CUDA graphs]). Compute it outside the compiled function and pass it in "
+            "as an input, or compile without CUDA graphs."
+        )
     B, Hq, _, Lq, Lkv, _, _ = shape
     if mask is None:
         from flexfa.blockmask.bind import _noop
@@ -464,7 +541,16 @@ def attention_backward_op(
     capture_grads = [
         grads[s] if s in grads else torch.zeros_like(tensors[s]) for s in sorted(slots)
     ]
-    return dq, dk, dv, capture_grads
+    return _like(dq, q), _like(dk, k), _like(dv, v), capture_grads
+
+
+def _like(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """`grad` in the strides of `x`, which the fake implementation promised (`empty_like`): a
+    backend may return another layout (that of the contiguous dout), and compiled code after the
+    op relies on the promise, e.g. viewing dq of a q transposed from (B, L, H, E) back."""
+    if grad.stride() == x.stride():
+        return grad
+    return torch.empty_like(x).copy_(grad)
 
 
 @attention_backward_op.register_fake
@@ -535,12 +621,19 @@ def compiled_attention(
     heads = None
     if isinstance(score_mod, HeadsDependentMod):  # bound in the ops, per number of heads
         heads, score_mod = score_mod._make, None
+    # Note [Local mods under torch.compile]: a mod defined inside the compiled function is
+    # rebuilt where Dynamo keeps it; `_describe` gets its token, `follow` starts at its roots.
+    device_type = q.device.type
+    score_local = local_mod(score_mod, "score_mod", device_type) if score_mod is not None else None
+    mask_local = local_mod(block_mask, "mask_mod", device_type) if block_mask is not None else None
     key, score_paths, score_inputs, mask_paths, scalars = _describe(
-        score_mod, heads, block_mask, q.device.type, backend, options,
-        bool(deterministic), bool(enable_gqa),
+        None if score_local else score_mod, heads, None if mask_local else block_mask,
+        device_type, backend, options, bool(deterministic), bool(enable_gqa),
+        score_local[0] if score_local else None, mask_local[0] if mask_local else None,
     )  # fmt: skip
-    mask_root = _mask_root(block_mask)
-    score_tensors = [follow(score_mod, p) for p in score_paths]
+    score_root = score_local[1] if score_local else score_mod
+    mask_root = mask_local[1] if mask_local else _mask_root(block_mask)
+    score_tensors = [follow(score_root, p) for p in score_paths]
     mask_tensors = [follow(mask_root, p) for p in mask_paths]
     grad_mask = 0
     for slot, i in enumerate(score_inputs):
@@ -551,6 +644,54 @@ def compiled_attention(
         resolve_scale(scale, q.shape[-1]), grad_mask, max_scores,
     )  # fmt: skip
     return out, lse, row_max
+
+
+def local_mod(fn: Any, kind: str, device_type: str) -> tuple[str, tuple] | None:
+    """(token, roots) of `fn` if it is a mod defined inside the compiled region, else None (Note
+    [Local mods under torch.compile] in flexfa/local_mods.py). Traced by Dynamo: `comptime` runs
+    `_split_hook` on Dynamo's variable for `fn`, which sets `split`; in eager Python it is None."""
+    from torch._dynamo.comptime import comptime
+
+    split = None
+    comptime(_split_hook)
+    return split
+
+
+def _split_hook(ctx: Any) -> None:
+    """Run by Dynamo inside `local_mod`'s frame: set its local `split` for a local mod `fn`."""
+    from torch._dynamo import variables as dv
+    from torch._dynamo.exc import unimplemented
+
+    tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
+    fn = ctx.get_local("fn")._i_will_not_complain_if_bc_breaks_VariableTracker()
+    if not local_mods.is_local(fn):
+        return
+    kind = ctx.get_local("kind").as_python_constant()
+    device = torch.device(ctx.get_local("device_type").as_python_constant())
+    split = None
+    try:
+        split = local_mods.split(tx, fn, kind)
+        # Traced here, where an error can be Dynamo's graph break with flexfa's message (raised
+        # from `_describe`, it would reach the user wrapped as an internal Dynamo error);
+        # `_describe` finds the trace in the trace cache.
+        local = local_mods.peek(split.token)
+        trace = trace_score_mod if kind == "score_mod" else trace_mask_mod
+        local_mods.check_captures(local, trace(local.fn, device=device))
+    except (local_mods.LocalModError, ModTraceError) as e:
+        if split is not None:
+            local_mods.take(split.token)
+        what = "captured" if isinstance(e, local_mods.LocalModError) else "traced"
+        unimplemented(
+            gb_type=f"flexfa: a mod defined inside the compiled function cannot be {what}",
+            context=kind,
+            explanation=str(e),
+            hints=[],
+            log_warning=True,
+        )
+    # What `local_mod` returns, as Dynamo's variables: (token, roots).
+    tx.symbolic_locals["split"] = dv.TupleVariable(
+        [dv.ConstantVariable.create(split.token), dv.TupleVariable(list(split.roots))]
+    )
 
 
 def _check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -568,6 +709,22 @@ def _mask_root(block_mask: Any) -> Any:
     if is_torch_block_mask(block_mask):
         return block_mask.mask_mod
     return block_mask
+
+
+# Note [Local mods under CUDA graphs]
+# A BlockMask is built from the values of the mask_mod's tensors. Under CUDA graphs the op runs
+# once more while the graph is recorded, where a cache miss is built on flexfa's builder thread
+# without waiting for the captured stream (Note [Caches under CUDA graphs]): the values it reads
+# are those already in memory. That holds for inputs, parameters and globals, whose memory holds
+# their values; a tensor the graph itself computes (a local mask_mod's intermediate, such as
+# document ids made in `forward`) has no value yet while the graph is recorded, so its BlockMask
+# would be built from stale memory and replayed: a silently wrong mask. So `_describe` records
+# which captures of a local mask_mod are computed in the graph (Note [Local mods under
+# torch.compile] in flexfa/local_mods.py), and building a BlockMask from them while a stream is
+# captured raises instead. A local score_mod's intermediates are fine: the kernels read them at
+# every replay.
+def _capturing(q: torch.Tensor) -> bool:
+    return q.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _slots(grad_mask: int) -> frozenset[int]:

@@ -326,3 +326,27 @@ def test_triton_start_up_is_asked_for_eagerly_and_never_traced(monkeypatch):
     with torch._dynamo.config.patch(error_on_recompile=True):
         compiled(q, k, v)
     assert counter.frame_count == 1
+
+
+def test_gradients_of_a_transposed_q_under_compile():
+    """q, k and v as model code makes them, (B, L, H, E) transposed to (B, H, L, E): the backward
+    op returns their gradients in their layout, as its fake implementation says, so the compiled
+    backward can view them back (it failed with "view size is not compatible" when the backend
+    returned dout's contiguous layout)."""
+
+    def f(x):
+        q = x.view(2, 21, 4, 8).transpose(1, 2)
+        out = flexfa.attention(q, q, q, score_mod=rel_bias, block_mask=flexfa.masks.causal)
+        return out.transpose(1, 2).reshape(2, 21, 32)
+
+    x = torch.randn(2, 21, 32, requires_grad=True)
+    TABLE.grad = None
+    out = torch.compile(f, fullgraph=True, backend="aot_eager")(x)
+    out.square().sum().backward()
+    got = (out.detach(), x.grad.clone(), TABLE.grad.clone())
+    x.grad = TABLE.grad = None
+    ref = f(x)
+    ref.square().sum().backward()
+    torch.testing.assert_close(got[0], ref.detach())
+    torch.testing.assert_close(got[1], x.grad)
+    torch.testing.assert_close(got[2], TABLE.grad)
