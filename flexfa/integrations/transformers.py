@@ -130,6 +130,15 @@ class TransformersMask:
         """(B, 1, Lq, Lkv), the shape of the mask it stands for."""
         return (self.batch, 1, self.len_q, self.len_kv)
 
+    @property
+    def ndim(self) -> int:
+        """4, as the mask it stands for: transformers passes a prepared mask through."""
+        return 4
+
+    def contiguous(self) -> TransformersMask:
+        """Itself (generate() calls this on the masks it prepares for compilable caches)."""
+        return self
+
 
 def build_mask(
     batch_size: int,
@@ -148,6 +157,10 @@ def build_mask(
     for other implementations (`allow_is_causal_skip`, `dtype`, `config`, `local_size`,
     `use_vmap`, ...) are not needed here.
     """
+    if isinstance(attention_mask, TransformersMask):
+        # generate() builds a compilable cache's masks itself, then hands them to the model,
+        # whose mask functions call this again with them.
+        return attention_mask
     parts = _read_mask_function(mask_function)
     padding = _padding(attention_mask, kv_length, kv_offset)
     mask_mod = _local_mask_mod(parts, padding, q_length, kv_length, q_offset, kv_offset, device)
