@@ -62,13 +62,12 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 import flexfa
 from flexfa.blockmask.block_mask import BlockMask
-from flexfa.masks import and_masks
 from flexfa.mods import softcap as softcap_mod
 
 #: Queries at most this long get their mask as a score_mod under torch.compile (Note [Masks under
@@ -113,17 +112,15 @@ class TransformersMask:
     """What `build_mask` hands to every attention layer of one kind for one forward.
 
     `mask_mod` is on the call's local positions (None: every pair attends); `block_mask` is its
-    flexfa BlockMask (built eagerly; None inside torch.compile, whose op builds it, or when no
-    pair is excluded); `score_mask` is the same condition as a score_mod, used instead of the
-    mask_mod for short queries under torch.compile (Note [Masks under torch.compile and CUDA
+    flexfa BlockMask, built by eager calls (inside torch.compile flexfa's op builds it from the
+    mask_mod, or the mask is applied as a score_mod: Note [Masks under torch.compile and CUDA
     graphs])."""
 
     batch: int
     len_q: int
     len_kv: int
-    mask_mod: Callable[..., Any] | None
+    mask_mod: LocalMask | None
     block_mask: BlockMask | None
-    score_mask: Callable[..., Any] | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -164,15 +161,10 @@ def build_mask(
     parts = _read_mask_function(mask_function)
     padding = _padding(attention_mask, kv_length, kv_offset)
     mask_mod = _local_mask_mod(parts, padding, q_length, kv_length, q_offset, kv_offset, device)
-    device = torch.device(device)
-    if torch.compiler.is_compiling():
-        score_mask = None
-        if mask_mod is not None and q_length <= SHORT_QUERY:
-            score_mask, mask_mod = _as_score_mod(mask_mod), None
-        return TransformersMask(batch_size, q_length, kv_length, mask_mod, None, score_mask)
     block_mask = None
-    if mask_mod is not None:
-        block_mask = _block_mask(mask_mod, parts, padding, batch_size, q_length, kv_length, device)
+    if mask_mod is not None and not torch.compiler.is_compiling():
+        # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
+        block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, torch.device(device))
     return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask)
 
 
@@ -309,8 +301,8 @@ def _local_mask_mod(
     q_offset: int | torch.Tensor,
     kv_offset: int,
     device,
-) -> Callable[..., Any] | None:
-    """One flexfa mask_mod on local positions, None when every pair attends."""
+) -> LocalMask | None:
+    """The flexfa mask_mod of `parts` on local positions, None when every pair attends."""
     if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
         delta: int | torch.Tensor = q_offset - kv_offset
         known = False
@@ -319,81 +311,98 @@ def _local_mask_mod(
     # The extremes of q_idx - kv_idx + delta over the call's pairs.
     low = -(len_kv - 1) + delta if known else None
     high = (len_q - 1) + delta if known else None
-    mods: list[Callable[..., Any]] = []
-    shift = None
-    if not known or delta != 0:
-        shift = _offset_tensor(delta, device)  # Note [Offsets as tensors]
-    if parts.causal and not (known and low >= 0):
-        mods.append(_causal(shift))
-    if parts.window is not None and not (known and high < parts.window):
-        mods.append(_window(parts.window, shift))
-    w = parts.bidirectional_window
-    if w is not None and not (known and high <= w and -low <= w):
-        mods.append(_bidirectional_window(w, shift))
-    if parts.documents is not None:
-        if not (known and delta == 0 and int(q_offset) == 0):
-            raise ValueError("packed sequences (document ids from position_ids) need no KV cache")
-        mods.append(_documents(parts.documents))
-    if padding is not None:
-        mods.append(_padded(padding))
-    for other in parts.others:
-        mods.append(_absolute(other, q_offset, kv_offset, device))
-    if not mods:
+    causal = parts.causal and not (known and low >= 0)
+    window = parts.window
+    if window is not None and known and high < window:
+        window = None
+    both = parts.bidirectional_window
+    if both is not None and known and high <= both and -low <= both:
+        both = None
+    if parts.documents is not None and not (known and delta == 0 and int(q_offset) == 0):
+        raise ValueError("packed sequences (document ids from position_ids) need no KV cache")
+    others = tuple(_absolute(f, q_offset, kv_offset, device) for f in parts.others)
+    relative = causal or window is not None or both is not None
+    shifted = relative and not (known and delta == 0)
+    structure = LocalMask.Structure(
+        causal, window, both, shifted, parts.documents is not None, padding is not None, others
+    )
+    if structure == LocalMask.Structure(False, None, None, False, False, False, ()):
         return None
-    return mods[0] if len(mods) == 1 else and_masks(*mods)
+    mask = LocalMask.get(structure)
+    mask.shift = _offset_tensor(delta, device) if shifted else None  # Note [Offsets as tensors]
+    mask.documents = parts.documents
+    mask.padding = padding
+    return mask
 
 
-def _causal(shift: torch.Tensor | None) -> Callable[..., Any]:
-    if shift is None:
-        return flexfa.masks.causal
+class LocalMask:
+    """A transformers mask on a call's local positions, as one flexfa mask_mod.
 
-    def causal(b, h, q_idx, kv_idx):
-        return q_idx - kv_idx + shift[0] >= 0
+    One object per `Structure` for the life of the process, whose tensors (`shift`, `documents`,
+    `padding`) each `build_mask` call replaces: flexfa's trace cache and torch.compile's guards
+    see the same mod at every step, and read its tensors' current values (Note [Stable mods])."""
 
-    return causal
+    @dataclasses.dataclass(frozen=True)
+    class Structure:
+        causal: bool
+        window: int | None
+        bidirectional_window: int | None
+        shifted: bool  # q_idx - kv_idx is offset by shift[0]
+        documents: bool
+        padding: bool
+        others: tuple[Callable[..., Any], ...]
+
+    _made: ClassVar[dict[LocalMask.Structure, LocalMask]] = {}
+
+    @classmethod
+    def get(cls, structure: LocalMask.Structure) -> LocalMask:
+        found = cls._made.get(structure)
+        if found is None:
+            found = cls._made.setdefault(structure, cls(structure))
+        return found
+
+    def __init__(self, structure: LocalMask.Structure) -> None:
+        self.structure = structure
+        self.shift: torch.Tensor | None = None
+        self.documents: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None
+        self.as_score_mod = ScoreMask(self)
+        self.__name__ = "transformers_mask"
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        s = self.structure
+        d = q_idx - kv_idx
+        if s.shifted:
+            d = d + self.shift[0]
+        conditions = []
+        if s.causal:
+            conditions.append(d >= 0)
+        if s.window is not None:
+            conditions.append(d < s.window)
+        if s.bidirectional_window is not None:
+            conditions.append((d <= s.bidirectional_window) & (-d <= s.bidirectional_window))
+        if s.documents:
+            conditions.append(self.documents[b, q_idx] == self.documents[b, kv_idx])
+        if s.padding:
+            conditions.append(self.padding[b, kv_idx])
+        for other in s.others:
+            conditions.append(other(b, h, q_idx, kv_idx))
+        result = conditions[0]
+        for c in conditions[1:]:
+            result = result & c
+        return result
 
 
-def _window(window: int, shift: torch.Tensor | None) -> Callable[..., Any]:
-    if shift is None:
+class ScoreMask:
+    """A `LocalMask` as a score_mod: -inf where it excludes a pair (Note [Masks under
+    torch.compile and CUDA graphs])."""
 
-        def sliding_window(b, h, q_idx, kv_idx):
-            return q_idx - kv_idx < window
+    def __init__(self, mask: LocalMask) -> None:
+        self.mask = mask
+        self.__name__ = "transformers_score_mask"
 
-    else:
-
-        def sliding_window(b, h, q_idx, kv_idx):
-            return q_idx - kv_idx + shift[0] < window
-
-    return sliding_window
-
-
-def _bidirectional_window(window: int, shift: torch.Tensor | None) -> Callable[..., Any]:
-    if shift is None:
-
-        def bidirectional_window(b, h, q_idx, kv_idx):
-            return (q_idx - kv_idx <= window) & (kv_idx - q_idx <= window)
-
-    else:
-
-        def bidirectional_window(b, h, q_idx, kv_idx):
-            d = q_idx - kv_idx + shift[0]
-            return (d <= window) & (-d <= window)
-
-    return bidirectional_window
-
-
-def _documents(docs: torch.Tensor) -> Callable[..., Any]:
-    def documents(b, h, q_idx, kv_idx):
-        return docs[b, q_idx] == docs[b, kv_idx]
-
-    return documents
-
-
-def _padded(padding: torch.Tensor) -> Callable[..., Any]:
-    def padding_mask(b, h, q_idx, kv_idx):
-        return padding[b, kv_idx]
-
-    return padding_mask
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        return torch.where(self.mask(b, h, q_idx, kv_idx), score, -float("inf"))
 
 
 def _absolute(fn, q_offset, kv_offset, device) -> Callable[..., Any]:
@@ -410,28 +419,23 @@ def _absolute(fn, q_offset, kv_offset, device) -> Callable[..., Any]:
     return absolute
 
 
-def _as_score_mod(mask_mod: Callable[..., Any]) -> Callable[..., Any]:
-    def masked(score, b, h, q_idx, kv_idx):
-        return torch.where(mask_mod(b, h, q_idx, kv_idx), score, -float("inf"))
-
-    return masked
-
-
 # BlockMasks of masks that read no tensor, by what they depend on (Note [Transformers' masks as
 # flexfa masks]): prefill and training at repeated lengths reuse one BlockMask object.
 _block_mask_cache: OrderedDict[tuple, BlockMask] = OrderedDict()
 _BLOCK_MASK_CACHE_SIZE = 32
 
 
-def _block_mask(mask_mod, parts, padding, batch, len_q, len_kv, device) -> BlockMask:
-    per_batch = padding is not None or parts.documents is not None or bool(parts.others)
+def _block_mask(mask_mod: LocalMask, batch: int, len_q: int, len_kv: int, device) -> BlockMask:
+    st = mask_mod.structure
+    reads_tensor = st.shifted or st.documents or st.padding or bool(st.others)
     key = None
-    if not per_batch and not _reads_tensor(mask_mod):
-        key = (parts.causal, parts.window, parts.bidirectional_window, len_q, len_kv, str(device))
+    if not reads_tensor:
+        key = (st, len_q, len_kv, str(device))
         found = _block_mask_cache.get(key)
         if found is not None:
             _block_mask_cache.move_to_end(key)
             return found
+    per_batch = st.documents or st.padding or bool(st.others)
     bm = flexfa.create_block_mask(
         mask_mod, batch if per_batch else None, None, len_q, len_kv, device=device
     )
@@ -440,17 +444,6 @@ def _block_mask(mask_mod, parts, padding, batch, len_q, len_kv, device) -> Block
         while len(_block_mask_cache) > _BLOCK_MASK_CACHE_SIZE:
             _block_mask_cache.popitem(last=False)
     return bm
-
-
-def _reads_tensor(fn: Callable[..., Any]) -> bool:
-    """Whether a mask_mod built here captures a tensor (an offset), directly or through
-    and_masks."""
-    for value in _closure(fn).values():
-        if isinstance(value, torch.Tensor):
-            return True
-        if isinstance(value, tuple) and any(callable(m) and _reads_tensor(m) for m in value):
-            return True
-    return False
 
 
 # -- the attention -------------------------------------------------------------------------------
@@ -466,16 +459,22 @@ def _softcap(cap: float) -> Callable[..., Any]:
     return found
 
 
+_combined: dict[tuple[int, int], Callable[..., Any]] = {}
+
+
 def _with_score_mask(score_mod, score_mask):
-    if score_mask is None:
-        return score_mod
+    """score_mask after score_mod; one object per pair of stable mods (Note [Stable mods])."""
     if score_mod is None:
         return score_mask
+    key = (id(score_mod), id(score_mask))
+    found = _combined.get(key)
+    if found is None:
 
-    def masked(score, b, h, q_idx, kv_idx):
-        return score_mask(score_mod(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
+        def masked(score, b, h, q_idx, kv_idx):
+            return score_mask(score_mod(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
 
-    return masked
+        found = _combined[key] = masked
+    return found
 
 
 def _dense_mask_score_mod(mask: torch.Tensor) -> Callable[..., Any]:
@@ -524,10 +523,13 @@ def attention_forward(
     score_mod = _softcap(float(softcap)) if softcap else None
     block_mask = None
     if isinstance(attention_mask, TransformersMask):
-        block_mask = attention_mask.block_mask
-        if block_mask is None:
-            block_mask = attention_mask.mask_mod
-        score_mod = _with_score_mask(score_mod, attention_mask.score_mask)
+        mask_mod = attention_mask.mask_mod
+        if not torch.compiler.is_compiling():
+            block_mask = attention_mask.block_mask
+        elif mask_mod is not None and query.shape[2] <= SHORT_QUERY:
+            score_mod = _with_score_mask(score_mod, mask_mod.as_score_mod)
+        else:
+            block_mask = mask_mod
     elif isinstance(attention_mask, torch.Tensor):
         global _dense_warned
         if not _dense_warned:

@@ -186,7 +186,7 @@ def test_training_step_gradients_match_eager(family):
 
 
 def test_dropout_is_refused_in_training():
-    eager, ours = _pair("llama")
+    _, ours = _pair("llama")
     config = copy.deepcopy(ours.config)
     config.attention_dropout = 0.1
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME).train()
@@ -196,7 +196,7 @@ def test_dropout_is_refused_in_training():
 
 def test_masks_are_built_once_per_kind_and_forward(monkeypatch):
     """Gemma2 has a sliding and a full layer: one mask each per forward, whatever the depth."""
-    eager, ours = _pair("gemma2")
+    _, ours = _pair("gemma2")
     built = []
     create = flexfa_hf.flexfa.create_block_mask
 
