@@ -460,11 +460,22 @@ def attention_backward_op(
     impl = backends.select(d.backend, spec)
     saved_out = out if saved.numel() == 0 else saved
     dq, dk, dv, grads = impl.backward(spec, q, k, v, saved_out, lse, dout, dlse, slots)
+    # The fake implementation promises q's, k's and v's strides, and the graph around the op
+    # relies on them (a `view` of dv's transpose): a backend's own layout is copied to theirs.
+    dq, dk, dv = (_strided_like(g, x) for g, x in ((dq, q), (dk, k), (dv, v)))
     tensors = score.tensors if score is not None else ()
     capture_grads = [
         grads[s] if s in grads else torch.zeros_like(tensors[s]) for s in sorted(slots)
     ]
     return dq, dk, dv, capture_grads
+
+
+def _strided_like(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`grad` with the strides of `torch.empty_like(like)` (a copy only where they differ)."""
+    target = torch.empty_like(like)
+    if grad.stride() == target.stride():
+        return grad
+    return target.copy_(grad)
 
 
 @attention_backward_op.register_fake
