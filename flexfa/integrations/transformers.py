@@ -35,6 +35,13 @@ transformers (the `flexfa[transformers]` extra). docs/transformers.md says what 
 # (`_block_mask_cache`), so that repeated calls reach flexfa's repeated-call path (Note [Repeated
 # inference calls] in flexfa/api.py).
 #
+# Note [Stable mods]
+# flexfa's trace cache and repeated-call memo, and torch.compile's guards, key a mod by its
+# identity; a new closure per forward would trace again in eager calls and recompile the graph in
+# compiled ones. So a mask's mod is a `LocalMask`, one object per `Structure` (which conditions,
+# which window) for the life of the process, whose tensors (offset, documents, padding) each
+# `build_mask` replaces; an eager BlockMask is built at once from the tensors of its own build.
+#
 # Note [Offsets as tensors]
 # flexfa bakes the ints a mask_mod reads into its kernels (Note [Lifted scalars] in
 # flexfa/ir/nodes.py), so a mask reading a decode step's offset as an int would compile a kernel
@@ -43,8 +50,13 @@ transformers (the `flexfa[transformers]` extra). docs/transformers.md says what 
 # int32 tensor captured by the mask_mod.
 #
 # Note [Masks under torch.compile and CUDA graphs]
-# Inside `torch.compile` the mask builder is traced by Dynamo like the rest of the model, and
-# flexfa's compiled op builds the BlockMask from the mask_mod for each call's lengths. A BlockMask
+# Inside `torch.compile` the mask builder runs outside the graph (`torch.compiler.disable`: one
+# graph break per mask, that is per kind of layer and forward, not per layer): it reads the
+# closures transformers made and creates flexfa's mod objects, which Dynamo cannot do inside a
+# graph. The attention layers stay in the graph; they see the same `LocalMask` object at every
+# step (Note [Stable mods]) and flexfa's compiled op follows it to its tensors and builds the
+# BlockMask from the mask_mod for each call's lengths. The mod objects a compiled call needs are
+# made by the builder (`as_score_mod`, with the config's `attn_logit_softcapping`). A BlockMask
 # is built from the values the captured tensors hold when it is built; a CUDA graph
 # (`mode="reduce-overhead"`, transformers' default for compiled generation) replays the kernels
 # with the tiles of the warm-up step, which would be wrong for the next step's offset. So under
@@ -137,6 +149,7 @@ class TransformersMask:
         return self
 
 
+@torch.compiler.disable  # Note [Masks under torch.compile and CUDA graphs]
 def build_mask(
     batch_size: int,
     q_length: int,
@@ -162,9 +175,14 @@ def build_mask(
     padding = _padding(attention_mask, kv_length, kv_offset)
     mask_mod = _local_mask_mod(parts, padding, q_length, kv_length, q_offset, kv_offset, device)
     block_mask = None
-    if mask_mod is not None and not torch.compiler.is_compiling():
+    if mask_mod is not None:
         # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
         block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, torch.device(device))
+        if q_length <= SHORT_QUERY:  # the score_mods compiled calls take, made out of the graph
+            cap = getattr(kwargs.get("config"), "attn_logit_softcapping", None)
+            mask_mod.as_score_mod(None)
+            if cap:
+                mask_mod.as_score_mod(float(cap))
     return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask)
 
 
@@ -288,9 +306,11 @@ def _padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int
 
 
 def _offset_tensor(delta: int | torch.Tensor, device) -> torch.Tensor:
+    """A 0-dim int32 tensor. Mods read it whole: an index (`shift[0]`) would be evaluated while
+    the mod is traced, giving a new tensor that torch.compile cannot trace back to this one."""
     if isinstance(delta, torch.Tensor):
-        return delta.reshape(-1)[:1].to(device=device, dtype=torch.int32)
-    return torch.tensor([delta], dtype=torch.int32, device=device)
+        return delta.reshape(-1)[0].to(device=device, dtype=torch.int32)
+    return torch.tensor(delta, dtype=torch.int32, device=device)
 
 
 def _local_mask_mod(
@@ -347,7 +367,7 @@ class LocalMask:
         causal: bool
         window: int | None
         bidirectional_window: int | None
-        shifted: bool  # q_idx - kv_idx is offset by shift[0]
+        shifted: bool  # q_idx - kv_idx is offset by shift
         documents: bool
         padding: bool
         others: tuple[Callable[..., Any], ...]
@@ -366,14 +386,21 @@ class LocalMask:
         self.shift: torch.Tensor | None = None
         self.documents: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
-        self.as_score_mod = ScoreMask(self)
+        self._score_mods: dict[float | None, ScoreMask] = {}
         self.__name__ = "transformers_mask"
+
+    def as_score_mod(self, softcap: float | None = None) -> ScoreMask:
+        """This mask as a score_mod, after an optional softcap; one object per cap."""
+        found = self._score_mods.get(softcap)
+        if found is None:
+            found = self._score_mods.setdefault(softcap, ScoreMask(self, softcap))
+        return found
 
     def __call__(self, b, h, q_idx, kv_idx):
         s = self.structure
         d = q_idx - kv_idx
         if s.shifted:
-            d = d + self.shift[0]
+            d = d + self.shift
         conditions = []
         if s.causal:
             conditions.append(d >= 0)
@@ -395,13 +422,17 @@ class LocalMask:
 
 class ScoreMask:
     """A `LocalMask` as a score_mod: -inf where it excludes a pair (Note [Masks under
-    torch.compile and CUDA graphs])."""
+    torch.compile and CUDA graphs]), after Gemma 2's softcap when there is one. A callable object
+    rather than a closure: torch.compile follows its attributes to the mask's tensors."""
 
-    def __init__(self, mask: LocalMask) -> None:
+    def __init__(self, mask: LocalMask, softcap: float | None) -> None:
         self.mask = mask
+        self.softcap = softcap
         self.__name__ = "transformers_score_mask"
 
     def __call__(self, score, b, h, q_idx, kv_idx):
+        if self.softcap is not None:
+            score = self.softcap * torch.tanh(score / self.softcap)
         return torch.where(self.mask(b, h, q_idx, kv_idx), score, -float("inf"))
 
 
@@ -414,7 +445,7 @@ def _absolute(fn, q_offset, kv_offset, device) -> Callable[..., Any]:
     kv_shift = _offset_tensor(kv_offset, device)
 
     def absolute(b, h, q_idx, kv_idx):
-        return fn(b, h, q_idx + q_shift[0], kv_idx + kv_shift[0])
+        return fn(b, h, q_idx + q_shift, kv_idx + kv_shift)
 
     return absolute
 
@@ -459,34 +490,22 @@ def _softcap(cap: float) -> Callable[..., Any]:
     return found
 
 
-_combined: dict[tuple[int, int], Callable[..., Any]] = {}
-
-
-def _with_score_mask(score_mod, score_mask):
-    """score_mask after score_mod; one object per pair of stable mods (Note [Stable mods])."""
-    if score_mod is None:
-        return score_mask
-    key = (id(score_mod), id(score_mask))
-    found = _combined.get(key)
-    if found is None:
-
-        def masked(score, b, h, q_idx, kv_idx):
-            return score_mask(score_mod(score, b, h, q_idx, kv_idx), b, h, q_idx, kv_idx)
-
-        found = _combined[key] = masked
-    return found
-
-
-def _dense_mask_score_mod(mask: torch.Tensor) -> Callable[..., Any]:
-    """A 4-D mask given by the caller (bool: True attends; float: added to the scores)."""
+def _dense_mask_score_mod(mask: torch.Tensor, softcap: float | None) -> Callable[..., Any]:
+    """A 4-D mask given by the caller (bool: True attends; float: added to the scores), after an
+    optional softcap."""
+    cap = softcap_mod(softcap) if softcap else None
     if mask.dtype == torch.bool:
 
         def dense_mask(score, b, h, q_idx, kv_idx):
+            if cap is not None:
+                score = cap(score, b, h, q_idx, kv_idx)
             return torch.where(mask[b, 0, q_idx, kv_idx], score, -float("inf"))
 
     else:
 
         def dense_mask(score, b, h, q_idx, kv_idx):
+            if cap is not None:
+                score = cap(score, b, h, q_idx, kv_idx)
             return score + mask[b, 0, q_idx, kv_idx]
 
     return dense_mask
@@ -527,7 +546,7 @@ def attention_forward(
         if not torch.compiler.is_compiling():
             block_mask = attention_mask.block_mask
         elif mask_mod is not None and query.shape[2] <= SHORT_QUERY:
-            score_mod = _with_score_mask(score_mod, mask_mod.as_score_mod)
+            score_mod = mask_mod.as_score_mod(float(softcap) if softcap else None)
         else:
             block_mask = mask_mod
     elif isinstance(attention_mask, torch.Tensor):
@@ -540,7 +559,7 @@ def attention_forward(
                 stacklevel=2,
             )
         mask = attention_mask[:, :, :, : key.shape[-2]]
-        score_mod = _with_score_mask(score_mod, _dense_mask_score_mod(mask))
+        score_mod = _dense_mask_score_mod(mask, float(softcap) if softcap else None)
     elif attention_mask is not None:
         raise TypeError(
             "flexfa attention expects the mask of flexfa's mask builder, a 4-D tensor or None, got "

@@ -165,7 +165,8 @@ def _grads(model, ids, positions):
     model.zero_grad(set_to_none=True)
     logits = model(ids, position_ids=positions, use_cache=False).logits
     torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    named = model.named_parameters()
+    return {n.removeprefix("_orig_mod."): p.grad for n, p in named if p.grad is not None}
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
