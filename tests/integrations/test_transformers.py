@@ -248,7 +248,7 @@ def test_wrong_mask_type_is_a_clear_error():
         flexfa_hf.attention_forward(torch.nn.Module(), q, q, q, attention_mask="causal")
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
 def test_whole_model_under_torch_compile(family):
     """Logits and a training step's gradients of the compiled model match eager attention."""
     torch._dynamo.reset()
@@ -290,7 +290,7 @@ def test_static_cache_decode_under_torch_compile():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
-def test_bf16_prefill_and_generation_on_gpu(family):
+def test_prefill_and_generation_on_gpu(family):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     eager, ours = _pair(family)
@@ -299,7 +299,8 @@ def test_bf16_prefill_and_generation_on_gpu(family):
     with torch.no_grad():
         want = eager(ids).logits
         got = ours(ids).logits
-        # float32 on the GPU: Triton's dots use tf32 by default only where asked; same bound.
-        _close(got, want, f"{family} logits on the GPU")
+    # float32 on the GPU: either side may multiply in TF32 (10-bit mantissas), hence the bound.
+    err = (got - want).abs().max().item()
+    assert err <= 2e-3 * want.abs().max().item() + 1e-4, f"{family} logits on the GPU: {err:.3g}"
     kwargs = dict(max_new_tokens=16, do_sample=False)
     assert torch.equal(ours.generate(ids[:, :64], **kwargs), eager.generate(ids[:, :64], **kwargs))
