@@ -7,7 +7,8 @@
 Random-initialised models in bf16 (no download): Llama-3.2-1B's shape, and a Gemma2 shape of the
 same size (logit softcapping, sliding and full layers alternating). Parts:
   prefill   tokens/s of one forward at --prefill-lens (4k, 32k), batch 1;
-  generate  greedy generate() tokens/s at --batches (1, 16) with --contexts (4k, 32k) of prompt:
+  generate  greedy generate() tokens/s of decoding for --generate-cases (batch 1 and 16 with 4k of
+            prompt, batch 16 with 32k):
             a dynamic cache in eager mode, and a static cache with the forward torch.compile'd
             (transformers' compiled generation, mode "reduce-overhead");
   train     one forward+backward on --train-len tokens packed from documents of mixed lengths
@@ -142,8 +143,11 @@ def main() -> None:
     p.add_argument("--systems", default="flexfa,sdpa,flex_attention,eager")
     p.add_argument("--parts", default="prefill,generate,train")
     p.add_argument("--prefill-lens", default="4096,32768")
-    p.add_argument("--batches", default="1,16")
-    p.add_argument("--contexts", default="4096,32768")
+    p.add_argument(
+        "--generate-cases",
+        default="1x4096,16x4096,16x32768",
+        help="batch x context, comma-separated",
+    )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--train-len", type=int, default=16384)
     p.add_argument("--no-static", action="store_true", help="skip static cache + torch.compile")
@@ -173,19 +177,19 @@ def main() -> None:
                         continue  # the dense score matrix of 32k does not fit
                     cases.append((f"prefill {n}", lambda mm, n=n: prefill(mm, n)))
             if "generate" in parts:
-                for ctx in ints(args.contexts):
-                    for b in ints(args.batches):
-                        if system == "eager" and b * ctx > 16384:
-                            continue
+                for case in args.generate_cases.split(","):
+                    b, ctx = (int(x) for x in case.split("x"))
+                    if system == "eager" and b * ctx > 16384:
+                        continue
+                    cases.append(
+                        (f"generate b{b} ctx{ctx} dynamic",
+                         lambda mm, b=b, c=ctx: generate(mm, b, c, args.new_tokens, False))
+                    )  # fmt: skip
+                    if not args.no_static and ctx <= 4096:
                         cases.append(
-                            (f"generate b{b} ctx{ctx} dynamic",
-                             lambda mm, b=b, c=ctx: generate(mm, b, c, args.new_tokens, False))
+                            (f"generate b{b} ctx{ctx} static+compile",
+                             lambda mm, b=b, c=ctx: generate(mm, b, c, args.new_tokens, True))
                         )  # fmt: skip
-                        if not args.no_static and ctx <= 4096:
-                            cases.append(
-                                (f"generate b{b} ctx{ctx} static+compile",
-                                 lambda mm, b=b, c=ctx: generate(mm, b, c, args.new_tokens, True))
-                            )  # fmt: skip
             if "train" in parts and system != "eager":
                 cases.append(
                     (f"train packed {args.train_len}", lambda mm: train(mm, args.train_len))
