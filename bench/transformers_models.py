@@ -1,6 +1,6 @@
 """transformers models on flexfa against sdpa, flex_attention and eager, in one process (GPU).
 
-    python bench/transformers_models.py                       # everything, ~8 minutes on an H200
+    python bench/transformers_models.py                       # everything (sized for about 8 minutes on an H200; not yet timed)
     python bench/transformers_models.py --parts prefill,generate --systems flexfa,sdpa
     python bench/transformers_models.py --model gemma2 --parts train
 

@@ -242,6 +242,24 @@ def test_unknown_mask_functions_are_kept_whole():
     _close(got, scores.softmax(-1) @ v, "or_masks")
 
 
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_dense_4d_mask_is_read_per_pair(kind):
+    """A ready 4-D mask (which transformers passes through untouched) applies, with a warning."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 9, 16, generator=g)
+    k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(2))
+    allowed = torch.rand(2, 1, 9, 13, generator=g) < 0.7
+    allowed[..., 0] = True  # no empty row
+    bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    mask = allowed if kind == "bool" else bias
+    flexfa_hf._dense_warned = False
+    with pytest.warns(UserWarning, match="dense 4-D attention mask"):
+        got = flexfa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.3)[0]
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    want = ((q @ kk.transpose(-1, -2)) * 0.3 + bias).softmax(-1) @ vv
+    _close(got.transpose(1, 2), want, f"{kind} 4-D mask")
+
+
 def test_wrong_mask_type_is_a_clear_error():
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(TypeError, match="mask builder"):
