@@ -120,6 +120,15 @@ class MaskParts:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
+class StaticCacheLengths:
+    """The page table and lengths that read a static cache (B, Hkv, capacity, E) as a page pool."""
+
+    page_table: torch.Tensor  # (B, 1) int32: sequence b is page b
+    kv_lens: torch.Tensor  # (B,) int32, updated in place at every step
+    capacity: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class TransformersMask:
     """What `build_mask` hands to every attention layer of one kind for one forward.
 
@@ -133,6 +142,9 @@ class TransformersMask:
     len_kv: int
     mask_mod: LocalMask | None
     block_mask: BlockMask | None
+    # A static cache's decode step, eagerly: the cache as a paged pool of one page per sequence
+    # (Note [Static caches as page pools]).
+    static_cache: StaticCacheLengths | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -174,16 +186,60 @@ def build_mask(
     parts = _read_mask_function(mask_function)
     padding = _padding(attention_mask, kv_length, kv_offset)
     mask_mod = _local_mask_mod(parts, padding, q_length, kv_length, q_offset, kv_offset, device)
-    block_mask = None
+    block_mask = static = None
+    if _static_decode(parts, padding, q_length, q_offset, kv_offset):
+        static = _static_cache_lengths(batch_size, kv_length, q_offset, torch.device(device))
     if mask_mod is not None:
-        # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
-        block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, torch.device(device))
+        if static is None:
+            # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
+            device = torch.device(device)
+            block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, device)
         if q_length <= SHORT_QUERY:  # the score_mods compiled calls take, made out of the graph
             cap = getattr(kwargs.get("config"), "attn_logit_softcapping", None)
             mask_mod.as_score_mod(None)
             if cap:
                 mask_mod.as_score_mod(float(cap))
-    return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask)
+    return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask, static)
+
+
+# Note [Static caches as page pools]
+# A static cache holds (B, Hkv, capacity, E) keys of which the first q_offset + 1 are written at
+# a decode step. Masking the tail would build a BlockMask per step (its tiles follow the offset)
+# and make every layer's call a new one for flexfa's repeated-call path. Read as a page pool
+# instead — page b is sequence b's whole buffer, `page_table[b] = [b]`, page size = capacity — the
+# cache needs only its lengths: `kv_lens` is one tensor per (batch, device) updated in place at
+# each step and recorded as checked (`mark_checked`: valid by construction, so no step
+# synchronizes to check it), so all layers and steps repeat one call (Note [Repeated inference
+# calls] in flexfa/api.py) and the decode kernels stop at each sequence's length. Taken for one
+# query without padding on full-attention layers in eager calls (paged calls are not supported
+# inside torch.compile, where Note [Masks under torch.compile and CUDA graphs] applies).
+_static_lengths: dict[tuple[int, int, str], StaticCacheLengths] = {}
+
+
+def _static_decode(parts: MaskParts, padding, len_q: int, q_offset, kv_offset) -> bool:
+    return (
+        isinstance(q_offset, torch.Tensor)
+        and not isinstance(kv_offset, torch.Tensor)
+        and kv_offset == 0
+        and len_q == 1
+        and padding is None
+        and parts == MaskParts(causal=True)
+        and not torch.is_grad_enabled()
+    )
+
+
+def _static_cache_lengths(batch: int, capacity: int, q_offset, device) -> StaticCacheLengths:
+    from flexfa.paged import mark_checked
+
+    key = (batch, capacity, str(device))
+    found = _static_lengths.get(key)
+    if found is None:
+        table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+        lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        found = _static_lengths[key] = StaticCacheLengths(table, lens, capacity)
+    found.kv_lens.copy_(q_offset.reshape(-1)[:1].expand(batch) + 1)
+    mark_checked(found.page_table, found.kv_lens, batch, capacity)
+    return found
 
 
 def _closure(fn: Callable[..., Any]) -> dict[str, Any]:
@@ -567,27 +623,23 @@ def attention_forward(
             "the name given to flexfa.integrations.transformers.register()"
         )
     enable_gqa = query.shape[1] != key.shape[1]
+    paged = {}
+    static = getattr(attention_mask, "static_cache", None)
+    if (
+        static is not None
+        and not torch.compiler.is_compiling()
+        and key.shape[0] == static.kv_lens.shape[0]
+        and key.shape[2] == static.capacity
+    ):  # Note [Static caches as page pools]
+        paged = dict(page_table=static.page_table, kv_lens=static.kv_lens)
+        block_mask = None
+    elif static is not None and not torch.compiler.is_compiling():
+        block_mask = attention_mask.mask_mod  # built for this call's keys
+    call = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=enable_gqa)
     if s_aux is None:
-        out = flexfa.attention(
-            query,
-            key,
-            value,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scaling,
-            enable_gqa=enable_gqa,
-        )
+        out = flexfa.attention(query, key, value, **call, **paged)
     else:
-        out, lse = flexfa.attention(
-            query,
-            key,
-            value,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            scale=scaling,
-            enable_gqa=enable_gqa,
-            return_lse=True,
-        )
+        out, lse = flexfa.attention(query, key, value, **call, **paged, return_lse=True)
         out = _apply_sinks(out, lse, s_aux)
     # flexfa's output has q's memory layout, (B, Lq, Hq, E) in memory for transformers' q.
     return out.transpose(1, 2), None

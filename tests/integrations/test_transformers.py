@@ -130,11 +130,24 @@ def test_greedy_generation_token_for_token(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_static_cache_generation_token_for_token(family):
+def test_static_cache_generation_token_for_token(family, monkeypatch):
+    """Full-attention layers decode from the static cache read as a page pool (Note [Static
+    caches as page pools]); the tokens are eager's."""
     eager, ours = _pair(family)
     ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
     kwargs = dict(max_new_tokens=10, do_sample=False, cache_implementation="static")
+    paged = []
+    attention = flexfa_hf.flexfa.attention
+
+    def counting(*args, **kw):
+        paged.append(kw.get("kv_lens") is not None)
+        return attention(*args, **kw)
+
+    monkeypatch.setattr(flexfa_hf.flexfa, "attention", counting)
     assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    layers = ours.config.num_hidden_layers
+    full = sum(t == "full_attention" for t in getattr(ours.config, "layer_types", None) or [])
+    assert sum(paged) == 9 * (full or layers)  # every decode step's full-attention layers
 
 
 def _packed_inputs():
