@@ -260,17 +260,23 @@ class _Factories:
                 from transformers import masking_utils as mu
 
                 t = torch.zeros(1, 1, dtype=torch.long)
-                cls._codes = {
-                    "causal": mu.causal_mask_function.__code__,
-                    "bidirectional": mu.bidirectional_mask_function.__code__,
-                    "and": mu.and_masks(mu.causal_mask_function).__code__,
-                    "window": mu.sliding_window_overlay(1).__code__,
-                    "bidirectional_window": mu.sliding_window_bidirectional_overlay(1).__code__,
-                    "documents": mu.packed_sequence_mask_function(t).__code__,
-                    "remap": mu.remap_positions_for_packed_sequence(
+                made = {
+                    "causal": lambda: mu.causal_mask_function,
+                    "bidirectional": lambda: mu.bidirectional_mask_function,
+                    "and": lambda: mu.and_masks(mu.causal_mask_function),
+                    "window": lambda: mu.sliding_window_overlay(1),
+                    "bidirectional_window": lambda: mu.sliding_window_bidirectional_overlay(1),
+                    "documents": lambda: mu.packed_sequence_mask_function(t),
+                    "remap": lambda: mu.remap_positions_for_packed_sequence(
                         mu.causal_mask_function, t
-                    ).__code__,
+                    ),
                 }
+                cls._codes = {}
+                for name, make in made.items():
+                    try:
+                        cls._codes[name] = make().__code__
+                    except AttributeError:  # a transformers without this factory: never matched
+                        cls._codes[name] = None
             return cls._codes
 
 
@@ -287,7 +293,7 @@ def _read_mask_function(fn: Callable[..., Any] | None) -> MaskParts:
 
 def _read(fn: Callable[..., Any], codes: dict[str, Any]) -> MaskParts | None:
     code = getattr(fn, "__code__", None)
-    if code is None:
+    if code is None:  # (codes of missing factories are None too: `is` never matches them)
         return None
     if code is codes["causal"]:
         return MaskParts(causal=True)
