@@ -116,7 +116,9 @@ def main() -> None:
     for implementation in (name, "sdpa"):
         model = load(args, implementation, device, dtype)
         tokens[implementation], rate = generate(model, prompt, new_tokens, device)
-        print(f"{implementation:>7} generate: {rate:10.1f} tokens/s (batch {batch}, prompt {prompt_len})")
+        print(
+            f"{implementation:>7} generate: {rate:10.1f} tokens/s (batch {batch}, prompt {prompt_len})"
+        )
         loss, train_rate = train_step(model, prompt[:, :train_len], device)
         print(f"{implementation:>7} training step: {train_rate:10.1f} tokens/s (loss {loss:.3f})")
         del model

@@ -46,8 +46,10 @@ transformers (the `flexfa[transformers]` extra). docs/transformers.md says what 
 # flexfa bakes the ints a mask_mod reads into its kernels (Note [Lifted scalars] in
 # flexfa/ir/nodes.py), so a mask reading a decode step's offset as an int would compile a kernel
 # per step. Offsets that are 0 stay ints (prefill, training); others, and a static cache's offset
-# (a tensor already, so that its graph does not depend on the step), are read from a one-element
-# int32 tensor captured by the mask_mod.
+# (a tensor already, so that its graph does not depend on the step), are read from a 0-dim int32
+# tensor captured by the mask_mod, whole: an index (`shift[0]`) would be evaluated while the mod
+# is traced, and the new tensor it gives could not be traced back to the mod by torch.compile,
+# which would then keep the first step's value.
 #
 # Note [Masks under torch.compile and CUDA graphs]
 # Inside `torch.compile` the mask builder runs outside the graph (`torch.compiler.disable`: one
@@ -223,7 +225,11 @@ def _static_decode(parts: MaskParts, padding, len_q: int, q_offset, kv_offset) -
         and kv_offset == 0
         and len_q == 1
         and padding is None
-        and parts == MaskParts(causal=True)
+        and parts.causal
+        and parts.window is None
+        and parts.bidirectional_window is None
+        and parts.documents is None
+        and not parts.others
         and not torch.is_grad_enabled()
     )
 
@@ -368,8 +374,7 @@ def _padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int
 
 
 def _offset_tensor(delta: int | torch.Tensor, device) -> torch.Tensor:
-    """A 0-dim int32 tensor. Mods read it whole: an index (`shift[0]`) would be evaluated while
-    the mod is traced, giving a new tensor that torch.compile cannot trace back to this one."""
+    """A 0-dim int32 tensor, read whole by the mods (Note [Offsets as tensors])."""
     if isinstance(delta, torch.Tensor):
         return delta.reshape(-1)[0].to(device=device, dtype=torch.int32)
     return torch.tensor(delta, dtype=torch.int32, device=device)
