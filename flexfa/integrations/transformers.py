@@ -367,8 +367,10 @@ def _padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int
         mask = torch.nn.functional.pad(mask, (0, missing))
     mask = mask[:, kv_offset : kv_offset + kv_length]
     # One synchronization per mask (transformers' own sdpa and flex builders pay it too): a
-    # batch without padding needs no mask tensor, and its decode steps no mask at all.
-    if not torch.compiler.is_compiling() and bool(mask.all()):
+    # batch without padding needs no mask tensor, and its decode steps no mask at all. (Under
+    # torch.compile too: the builder runs outside the graph.)
+    # A sum rather than `all()`, which is about 200x slower on bool tensors on some CPUs.
+    if int(mask.sum()) == mask.numel():
         return None
     return mask.contiguous()
 
