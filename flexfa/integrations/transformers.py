@@ -188,6 +188,8 @@ def build_mask(
     parts = _read_mask_function(mask_function)
     padding = _padding(attention_mask, kv_length, kv_offset)
     mask_mod = _local_mask_mod(parts, padding, q_length, kv_length, q_offset, kv_offset, device)
+    cap = getattr(kwargs.get("config"), "attn_logit_softcapping", None)
+    cap = float(cap) if cap else None
     block_mask = static = None
     if _static_decode(parts, padding, q_length, q_offset, kv_offset):
         static = _static_cache_lengths(batch_size, kv_length, q_offset, torch.device(device))
@@ -197,10 +199,13 @@ def build_mask(
             device = torch.device(device)
             block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, device)
         if q_length <= SHORT_QUERY:  # the score_mods compiled calls take, made out of the graph
-            cap = getattr(kwargs.get("config"), "attn_logit_softcapping", None)
             mask_mod.as_score_mod(None)
             if cap:
-                mask_mod.as_score_mod(float(cap))
+                mask_mod.as_score_mod(cap)
+    if cap:
+        _softcap(
+            cap
+        )  # made here too, out of a compiled graph (Note [Masks under torch.compile ...])
     return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask, static)
 
 
