@@ -9,8 +9,9 @@ same size (logit softcapping, sliding and full layers alternating). Parts:
   prefill   tokens/s of one forward at --prefill-lens (4k, 32k), batch 1;
   generate  greedy generate() tokens/s of decoding for --generate-cases (batch 1 and 16 with 4k of
             prompt, batch 16 with 32k):
-            a dynamic cache in eager mode, and a static cache with the forward torch.compile'd
-            (transformers' compiled generation, mode "reduce-overhead");
+            a dynamic cache in eager mode, a static cache in eager mode (flexfa reads it as a page
+            pool), and a static cache with the forward torch.compile'd (transformers' compiled
+            generation, mode "reduce-overhead"); static caches at 4k of context only;
   train     one forward+backward on --train-len tokens packed from documents of mixed lengths
             (position_ids restart per document, so masks are per document).
 Each system's failure is printed and the run goes on; ratios are against sdpa.
@@ -88,25 +89,30 @@ def prefill(m, length: int) -> float:
     return length / timed(run)
 
 
-def generate(m, batch: int, context: int, new: int, static: bool) -> float:
+#: How generate() keeps its cache: "dynamic" (eager), "static" (eager: flexfa reads it as a page
+#: pool), "static+compile" (transformers compiles the forward, mode "reduce-overhead").
+CACHES = ("dynamic", "static", "static+compile")
+
+
+def generate(m, batch: int, context: int, new: int, cache: str) -> float:
     ids = torch.randint(0, SHAPE["vocab_size"], (batch, context), device="cuda")
-    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    if static:
-        kwargs["cache_implementation"] = "static"
-        kwargs["compile_config"] = transformers.CompileConfig(fullgraph=False)
+    setup = {}
+    if cache != "dynamic":
+        setup["cache_implementation"] = "static"
+    if cache == "static":
+        setup["disable_compile"] = True
+    if cache == "static+compile":
+        setup["compile_config"] = transformers.CompileConfig(fullgraph=False)
+    kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, **setup)
     # Prefill is in the time: measure it alone (one new token) and take it out, so that tokens/s
     # is decoding's. Best of two runs each, after a warm-up (which also compiles).
-    first = timed(lambda: m.generate(ids, max_new_tokens=1, do_sample=False, **_static(kwargs)), 2)
+    first = timed(lambda: m.generate(ids, max_new_tokens=1, do_sample=False, **setup), 2)
     total = timed(lambda: m.generate(ids, **kwargs), 2)
     if total <= first:
         raise RuntimeError(
             f"generate({new} tokens) took {total:.4f} s, prefill alone {first:.4f} s"
         )
     return batch * (new - 1) / (total - first)
-
-
-def _static(kwargs):
-    return {k: v for k, v in kwargs.items() if k in ("cache_implementation", "compile_config")}
 
 
 def packed_batch(total: int, seed: int = 0):
@@ -150,7 +156,7 @@ def main() -> None:
     )
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--train-len", type=int, default=16384)
-    p.add_argument("--no-static", action="store_true", help="skip static cache + torch.compile")
+    p.add_argument("--caches", default=",".join(CACHES), help=f"among {', '.join(CACHES)}")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(
@@ -181,14 +187,14 @@ def main() -> None:
                     b, ctx = (int(x) for x in case.split("x"))
                     if system == "eager" and b * ctx > 16384:
                         continue
-                    cases.append(
-                        (f"generate b{b} ctx{ctx} dynamic",
-                         lambda mm, b=b, c=ctx: generate(mm, b, c, args.new_tokens, False))
-                    )  # fmt: skip
-                    if not args.no_static and ctx <= 4096:
+                    for cache in args.caches.split(","):
+                        if cache not in CACHES:
+                            raise SystemExit(f"--caches: {cache!r} is not one of {CACHES}")
+                        if cache != "dynamic" and ctx > 4096:
+                            continue  # static caches at 4k of context only: a shorter run
                         cases.append(
-                            (f"generate b{b} ctx{ctx} static+compile",
-                             lambda mm, b=b, c=ctx: generate(mm, b, c, args.new_tokens, True))
+                            (f"generate b{b} ctx{ctx} {cache}",
+                             lambda mm, b=b, c=ctx, k=cache: generate(mm, b, c, args.new_tokens, k))
                         )  # fmt: skip
             if "train" in parts and system != "eager":
                 cases.append(
