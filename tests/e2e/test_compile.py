@@ -350,3 +350,25 @@ def test_gradients_of_a_transposed_q_under_compile():
     torch.testing.assert_close(got[0], ref.detach())
     torch.testing.assert_close(got[1], x.grad)
     torch.testing.assert_close(got[2], TABLE.grad)
+
+
+def test_gradients_have_the_strides_of_their_inputs():
+    """K and V as views of a projection's (B, L, H, E) output, as attention modules make them: the
+    graph views dK/dV's transposes back, which needs the strides the backward op's fake promises."""
+
+    def f(xq, xkv):
+        q = xq.view(1, 24, 4, 16).transpose(1, 2)
+        k = xkv[..., :32].reshape(1, 24, 2, 16).transpose(1, 2) * 1.0
+        v = xkv[..., 32:].reshape(1, 24, 2, 16).transpose(1, 2)
+        out = flexfa.attention(
+            q, k, v, block_mask=flexfa.masks.causal, enable_gqa=True, backend="tiled"
+        )
+        return out.transpose(1, 2).reshape(1, 24, 64)
+
+    torch.manual_seed(5)
+    xq, xkv = (torch.randn(1, 24, 64, requires_grad=True) for _ in range(2))
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(xq, xkv).square().sum(), (xq, xkv))
+    want = torch.autograd.grad(f(xq, xkv).square().sum(), (xq, xkv))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)

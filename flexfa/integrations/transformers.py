@@ -1,0 +1,674 @@
+"""flexfa as an attention implementation of Hugging Face transformers.
+
+>>> import flexfa.integrations.transformers as flexfa_hf
+>>> flexfa_hf.register()  # then: AutoModelForCausalLM.from_config(cfg, attn_implementation="flexfa")
+'flexfa'
+
+`register(name)` puts two functions under `name` in transformers' registries: `attention_forward`
+(the `AttentionInterface`: one call per attention layer) and `build_mask` (the
+`AttentionMaskInterface`: one call per kind of layer and forward, from `create_causal_mask`,
+`create_sliding_window_causal_mask`, ...). This module is the only one of flexfa that imports
+transformers (the `flexfa[transformers]` extra). docs/transformers.md says what is honoured.
+
+# Note [Transformers' masks as flexfa masks]
+# transformers describes a mask by a `mask_function(batch_idx, head_idx, q_idx, kv_idx)` on
+# absolute positions, composed from its own factories (`causal_mask_function`,
+# `sliding_window_overlay(w)`, `and_masks`, the packed-sequence wrappers), plus the offsets of the
+# query and key windows (`q_offset`, `kv_offset`: the cache's past length, a sliding cache's first
+# kept position) and a 2-D padding mask. torch's `create_block_mask` would be compiled and run on
+# the dense grid for every new length. Instead `build_mask` reads the composition back (the
+# factories' code objects and closure cells: `_read_mask_function`) into `MaskParts` — causal, a
+# causal window, a bidirectional window, document ids of a packed batch — and writes one flexfa
+# mask_mod on *local* positions from them (`_local_mask_mod`): with delta = q_offset - kv_offset,
+# causal is `q_idx - kv_idx + delta >= 0`, the window `q_idx - kv_idx + delta < w`, padding
+# `padding[b, kv_idx]` on the padding mask sliced to the key window, documents
+# `docs[b, q_idx] == docs[b, kv_idx]`. A packed batch remaps positions to those within each
+# sequence, where they are consecutive, so relative masks (causal, windows) read the same on the
+# packed indices and only the document condition is added. A part that is true on every pair of
+# the call (a decode step's causal condition, a window longer than the cache) is left out, so a
+# decode step without padding runs with no mask at all. A composition flexfa does not recognise (a
+# vision model's `or_mask_function`, chunked attention) is kept as it is, called on absolute
+# positions inside the flexfa mask_mod, which flexfa traces like any other (its BlockMask is built
+# by flexfa's general path). The flexfa BlockMask is built once per `build_mask` call: the model
+# passes the same `TransformersMask` to every layer of that kind, so a forward builds at most one
+# BlockMask per kind of layer, and masks without captured tensors are kept across forwards
+# (`_block_mask_cache`), so that repeated calls reach flexfa's repeated-call path (Note [Repeated
+# inference calls] in flexfa/api.py).
+#
+# Note [Stable mods]
+# flexfa's trace cache and repeated-call memo, and torch.compile's guards, key a mod by its
+# identity; a new closure per forward would trace again in eager calls and recompile the graph in
+# compiled ones. So a mask's mod is a `LocalMask`, one object per `Structure` (which conditions,
+# which window) for the life of the process, whose tensors (offset, documents, padding) each
+# `build_mask` replaces; an eager BlockMask is built at once from the tensors of its own build.
+#
+# Note [Offsets as tensors]
+# flexfa bakes the ints a mask_mod reads into its kernels (Note [Lifted scalars] in
+# flexfa/ir/nodes.py), so a mask reading a decode step's offset as an int would compile a kernel
+# per step. Offsets that are 0 stay ints (prefill, training); others, and a static cache's offset
+# (a tensor already, so that its graph does not depend on the step), are read from a 0-dim int32
+# tensor captured by the mask_mod, whole: an index (`shift[0]`) would be evaluated while the mod
+# is traced, and the new tensor it gives could not be traced back to the mod by torch.compile,
+# which would then keep the first step's value.
+#
+# Note [Masks under torch.compile and CUDA graphs]
+# Inside `torch.compile` the mask builder runs outside the graph (`torch.compiler.disable`: one
+# graph break per mask, that is per kind of layer and forward, not per layer): it reads the
+# closures transformers made and creates flexfa's mod objects, which Dynamo cannot do inside a
+# graph. The attention layers stay in the graph; they see the same `LocalMask` object at every
+# step (Note [Stable mods]) and flexfa's compiled op follows it to its tensors and builds the
+# BlockMask from the mask_mod for each call's lengths. The mod objects a compiled call needs are
+# made by the builder (`as_score_mod`, with the config's `attn_logit_softcapping`). A BlockMask
+# is built from the values the captured tensors hold when it is built; a CUDA graph
+# (`mode="reduce-overhead"`, transformers' default for compiled generation) replays the kernels
+# with the tiles of the warm-up step, which would be wrong for the next step's offset. So under
+# compile, short queries (decode steps, at most `SHORT_QUERY` rows) get their mask as a score_mod
+# instead (`-inf` where the mask excludes a pair) with no block mask: every tile is read and the
+# condition is evaluated from the tensors' current values at every replay, the cost of reading a
+# static cache's unused tail (as SDPA does with a dense mask). Longer queries (prefill, training)
+# keep the mask_mod and its tile skipping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+import flexfa
+from flexfa.blockmask.block_mask import BlockMask
+from flexfa.mods import softcap as softcap_mod
+
+#: Queries at most this long get their mask as a score_mod under torch.compile (Note [Masks under
+#: torch.compile and CUDA graphs]); the decode path's limit (flexfa/codegen/triton/decode.py).
+SHORT_QUERY = 64
+
+
+def register(name: str = "flexfa") -> str:
+    """Register flexfa's attention and mask functions with transformers under `name`.
+
+    Afterwards `AutoModelForCausalLM.from_config(config, attn_implementation=name)` (or
+    `from_pretrained(...)`, or `model.set_attn_implementation(name)`) runs every attention layer on
+    flexfa. Returns `name`.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, build_mask)
+    return name
+
+
+# -- the mask ------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskParts:
+    """What a transformers mask_function says, on absolute positions (Note [Transformers' masks as
+    flexfa masks]). Every field that is set must hold for a pair to attend."""
+
+    causal: bool = False
+    window: int | None = None  # causal window: kv > q - window
+    bidirectional_window: int | None = None  # |q - kv| <= window
+    documents: torch.Tensor | None = None  # (B, L) sequence ids of a packed batch
+    others: tuple[Callable[..., Any], ...] = ()  # kept as transformers wrote them
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StaticCacheLengths:
+    """The page table and lengths that read a static cache (B, Hkv, capacity, E) as a page pool."""
+
+    page_table: torch.Tensor  # (B, 1) int32: sequence b is page b
+    kv_lens: torch.Tensor  # (B,) int32, updated in place at every step
+    capacity: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TransformersMask:
+    """What `build_mask` hands to every attention layer of one kind for one forward.
+
+    `mask_mod` is on the call's local positions (None: every pair attends); `block_mask` is its
+    flexfa BlockMask, built by eager calls (inside torch.compile flexfa's op builds it from the
+    mask_mod, or the mask is applied as a score_mod: Note [Masks under torch.compile and CUDA
+    graphs])."""
+
+    batch: int
+    len_q: int
+    len_kv: int
+    mask_mod: LocalMask | None
+    block_mask: BlockMask | None
+    # A static cache's decode step, eagerly: the cache as a paged pool of one page per sequence
+    # (Note [Static caches as page pools]).
+    static_cache: StaticCacheLengths | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """(B, 1, Lq, Lkv), the shape of the mask it stands for."""
+        return (self.batch, 1, self.len_q, self.len_kv)
+
+    @property
+    def ndim(self) -> int:
+        """4, as the mask it stands for: transformers passes a prepared mask through."""
+        return 4
+
+    def contiguous(self) -> TransformersMask:
+        """Itself (generate() calls this on the masks it prepares for compilable caches)."""
+        return self
+
+
+@torch.compiler.disable  # Note [Masks under torch.compile and CUDA graphs]
+def build_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Any] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
+) -> TransformersMask:
+    """transformers' mask interface: the flexfa mask of one kind of layer for one forward.
+
+    Arguments as transformers' `flex_attention_mask` (masking_utils.py); the keywords it passes
+    for other implementations (`allow_is_causal_skip`, `dtype`, `config`, `local_size`,
+    `use_vmap`, ...) are not needed here.
+    """
+    if isinstance(attention_mask, TransformersMask):
+        # generate() builds a compilable cache's masks itself, then hands them to the model,
+        # whose mask functions call this again with them.
+        return attention_mask
+    parts = _read_mask_function(mask_function)
+    padding = _padding(attention_mask, kv_length, kv_offset)
+    mask_mod = _local_mask_mod(parts, padding, q_length, kv_length, q_offset, kv_offset, device)
+    cap = getattr(kwargs.get("config"), "attn_logit_softcapping", None)
+    cap = float(cap) if cap else None
+    block_mask = static = None
+    if _static_decode(parts, padding, q_length, q_offset, kv_offset):
+        static = _static_cache_lengths(batch_size, kv_length, q_offset, torch.device(device))
+    if mask_mod is not None:
+        if static is None:
+            # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
+            device = torch.device(device)
+            block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, device)
+        if q_length <= SHORT_QUERY:  # the score_mods compiled calls take, made out of the graph
+            mask_mod.as_score_mod(None)
+            if cap:
+                mask_mod.as_score_mod(cap)
+    if cap:
+        _softcap(
+            cap
+        )  # made here too, out of a compiled graph (Note [Masks under torch.compile ...])
+    return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask, static)
+
+
+# Note [Static caches as page pools]
+# A static cache holds (B, Hkv, capacity, E) keys of which the first q_offset + 1 are written at
+# a decode step. Masking the tail would build a BlockMask per step (its tiles follow the offset)
+# and make every layer's call a new one for flexfa's repeated-call path. Read as a page pool
+# instead — page b is sequence b's whole buffer, `page_table[b] = [b]`, page size = capacity — the
+# cache needs only its lengths: `kv_lens` is one tensor per (batch, device) updated in place at
+# each step and recorded as checked (`mark_checked`: valid by construction, so no step
+# synchronizes to check it), so all layers and steps repeat one call (Note [Repeated inference
+# calls] in flexfa/api.py) and the decode kernels stop at each sequence's length. Taken for one
+# query without padding on full-attention layers in eager calls (paged calls are not supported
+# inside torch.compile, where Note [Masks under torch.compile and CUDA graphs] applies).
+_static_lengths: dict[tuple[int, int, str], StaticCacheLengths] = {}
+
+
+def _static_decode(parts: MaskParts, padding, len_q: int, q_offset, kv_offset) -> bool:
+    return (
+        isinstance(q_offset, torch.Tensor)
+        and not isinstance(kv_offset, torch.Tensor)
+        and kv_offset == 0
+        and len_q == 1
+        and padding is None
+        and parts.causal
+        and parts.window is None
+        and parts.bidirectional_window is None
+        and parts.documents is None
+        and not parts.others
+        and not torch.is_grad_enabled()
+    )
+
+
+def _static_cache_lengths(batch: int, capacity: int, q_offset, device) -> StaticCacheLengths:
+    from flexfa.paged import mark_checked
+
+    key = (batch, capacity, str(device))
+    found = _static_lengths.get(key)
+    if found is None:
+        table = torch.arange(batch, dtype=torch.int32, device=device)[:, None]
+        lens = torch.zeros(batch, dtype=torch.int32, device=device)
+        found = _static_lengths[key] = StaticCacheLengths(table, lens, capacity)
+    found.kv_lens.copy_(q_offset.reshape(-1)[:1].expand(batch) + 1)
+    mark_checked(found.page_table, found.kv_lens, batch, capacity)
+    return found
+
+
+def _closure(fn: Callable[..., Any]) -> dict[str, Any]:
+    cells = fn.__closure__ or ()
+    return {name: c.cell_contents for name, c in zip(fn.__code__.co_freevars, cells)}
+
+
+class _Factories:
+    """The code objects of transformers' mask factories, read once."""
+
+    _lock = threading.Lock()
+    _codes: dict[str, Any] | None = None
+
+    @classmethod
+    def codes(cls) -> dict[str, Any]:
+        with cls._lock:
+            if cls._codes is None:
+                from transformers import masking_utils as mu
+
+                t = torch.zeros(1, 1, dtype=torch.long)
+                made = {
+                    "causal": lambda: mu.causal_mask_function,
+                    "bidirectional": lambda: mu.bidirectional_mask_function,
+                    "and": lambda: mu.and_masks(mu.causal_mask_function),
+                    "window": lambda: mu.sliding_window_overlay(1),
+                    "bidirectional_window": lambda: mu.sliding_window_bidirectional_overlay(1),
+                    "documents": lambda: mu.packed_sequence_mask_function(t),
+                    "remap": lambda: mu.remap_positions_for_packed_sequence(
+                        mu.causal_mask_function, t
+                    ),
+                }
+                cls._codes = {}
+                for name, make in made.items():
+                    try:
+                        cls._codes[name] = make().__code__
+                    except AttributeError:  # a transformers without this factory: never matched
+                        cls._codes[name] = None
+            return cls._codes
+
+
+def _read_mask_function(fn: Callable[..., Any] | None) -> MaskParts:
+    """The `MaskParts` of a transformers mask_function (Note [Transformers' masks as flexfa
+    masks]); what is not recognised is kept in `others`."""
+    if fn is None:
+        return MaskParts(causal=True)
+    if not callable(fn):
+        raise TypeError(f"mask_function must be callable, got {type(fn).__name__}")
+    found = _read(fn, _Factories.codes())
+    return found if found is not None else MaskParts(others=(fn,))
+
+
+def _read(fn: Callable[..., Any], codes: dict[str, Any]) -> MaskParts | None:
+    code = getattr(fn, "__code__", None)
+    if code is None:  # (codes of missing factories are None too: `is` never matches them)
+        return None
+    if code is codes["causal"]:
+        return MaskParts(causal=True)
+    if code is codes["bidirectional"]:
+        return MaskParts()
+    cells = _closure(fn)
+    if code is codes["window"]:
+        return MaskParts(window=int(cells["sliding_window"]))
+    if code is codes["bidirectional_window"]:
+        return MaskParts(bidirectional_window=int(cells["sliding_window"]))
+    if code is codes["documents"]:
+        return MaskParts(documents=cells["packed_sequence_mask"])
+    if code is codes["remap"]:
+        inner = _read(cells["mask_function"], codes)
+        # Positions within a sequence are consecutive: relative masks read the same on the packed
+        # indices; anything else needs the remapped positions and is kept whole.
+        if inner is None or inner.others or inner.documents is not None:
+            return None
+        return inner
+    if code is codes["and"]:
+        merged = MaskParts()
+        for part in cells["mask_functions"]:
+            found = _read(part, codes)
+            if found is None:
+                found = MaskParts(others=(part,))
+            merged = _merge(merged, found)
+        return merged
+    return None
+
+
+def _merge(a: MaskParts, b: MaskParts) -> MaskParts:
+    def smaller(x, y):
+        return y if x is None else x if y is None else min(x, y)
+
+    if a.documents is not None and b.documents is not None:
+        return MaskParts(others=(*a.others, *b.others, _documents_abs(b.documents)))
+    return MaskParts(
+        causal=a.causal or b.causal,
+        window=smaller(a.window, b.window),
+        bidirectional_window=smaller(a.bidirectional_window, b.bidirectional_window),
+        documents=a.documents if a.documents is not None else b.documents,
+        others=a.others + b.others,
+    )
+
+
+def _documents_abs(docs: torch.Tensor) -> Callable[..., Any]:
+    def documents(b, h, q_idx, kv_idx):
+        return docs[b, q_idx] == docs[b, kv_idx]
+
+    return documents
+
+
+def _padding(attention_mask: torch.Tensor | None, kv_length: int, kv_offset: int):
+    """The padding mask over the call's keys, (B, kv_length) bool, or None without padding."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.ndim != 2:
+        raise ValueError(
+            "flexfa's mask builder expects attention_mask as a 2-D (batch, length) padding mask, "
+            f"got {type(attention_mask).__name__} of shape {getattr(attention_mask, 'shape', None)}"
+        )
+    mask = attention_mask.to(torch.bool)
+    missing = kv_offset + kv_length - mask.shape[-1]
+    if missing > 0:  # a static cache's unused tail: transformers pads with False
+        mask = torch.nn.functional.pad(mask, (0, missing))
+    mask = mask[:, kv_offset : kv_offset + kv_length]
+    # One synchronization per mask (transformers' own sdpa and flex builders pay it too): a
+    # batch without padding needs no mask tensor, and its decode steps no mask at all. (Under
+    # torch.compile too: the builder runs outside the graph.)
+    # A sum rather than `all()`, which is about 200x slower on bool tensors on some CPUs.
+    if int(mask.sum()) == mask.numel():
+        return None
+    return mask.contiguous()
+
+
+def _offset_tensor(delta: int | torch.Tensor, device) -> torch.Tensor:
+    """A 0-dim int32 tensor, read whole by the mods (Note [Offsets as tensors])."""
+    if isinstance(delta, torch.Tensor):
+        return delta.reshape(-1)[0].to(device=device, dtype=torch.int32)
+    return torch.tensor(delta, dtype=torch.int32, device=device)
+
+
+def _local_mask_mod(
+    parts: MaskParts,
+    padding: torch.Tensor | None,
+    len_q: int,
+    len_kv: int,
+    q_offset: int | torch.Tensor,
+    kv_offset: int,
+    device,
+) -> LocalMask | None:
+    """The flexfa mask_mod of `parts` on local positions, None when every pair attends."""
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+        delta: int | torch.Tensor = q_offset - kv_offset
+        known = False
+    else:
+        delta, known = int(q_offset) - int(kv_offset), True
+    # The extremes of q_idx - kv_idx + delta over the call's pairs.
+    low = -(len_kv - 1) + delta if known else None
+    high = (len_q - 1) + delta if known else None
+    causal = parts.causal and not (known and low >= 0)
+    window = parts.window
+    if window is not None and known and high < window:
+        window = None
+    both = parts.bidirectional_window
+    if both is not None and known and high <= both and -low <= both:
+        both = None
+    if parts.documents is not None and not (known and delta == 0 and int(q_offset) == 0):
+        raise ValueError("packed sequences (document ids from position_ids) need no KV cache")
+    others = tuple(_absolute(f, q_offset, kv_offset, device) for f in parts.others)
+    relative = causal or window is not None or both is not None
+    shifted = relative and not (known and delta == 0)
+    structure = LocalMask.Structure(
+        causal, window, both, shifted, parts.documents is not None, padding is not None, others
+    )
+    if structure == LocalMask.Structure(False, None, None, False, False, False, ()):
+        return None
+    mask = LocalMask.get(structure)
+    mask.shift = _offset_tensor(delta, device) if shifted else None  # Note [Offsets as tensors]
+    mask.documents = parts.documents
+    mask.padding = padding
+    return mask
+
+
+class LocalMask:
+    """A transformers mask on a call's local positions, as one flexfa mask_mod.
+
+    One object per `Structure` for the life of the process, whose tensors (`shift`, `documents`,
+    `padding`) each `build_mask` call replaces: flexfa's trace cache and torch.compile's guards
+    see the same mod at every step, and read its tensors' current values (Note [Stable mods])."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Structure:
+        causal: bool
+        window: int | None
+        bidirectional_window: int | None
+        shifted: bool  # q_idx - kv_idx is offset by shift
+        documents: bool
+        padding: bool
+        others: tuple[Callable[..., Any], ...]
+
+    _made: ClassVar[dict[LocalMask.Structure, LocalMask]] = {}
+
+    @classmethod
+    def get(cls, structure: LocalMask.Structure) -> LocalMask:
+        found = cls._made.get(structure)
+        if found is None:
+            found = cls._made.setdefault(structure, cls(structure))
+        return found
+
+    def __init__(self, structure: LocalMask.Structure) -> None:
+        self.structure = structure
+        self.shift: torch.Tensor | None = None
+        self.documents: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None
+        self._score_mods: dict[float | None, ScoreMask] = {}
+        self.__name__ = "transformers_mask"
+
+    def as_score_mod(self, softcap: float | None = None) -> ScoreMask:
+        """This mask as a score_mod, after an optional softcap; one object per cap."""
+        found = self._score_mods.get(softcap)
+        if found is None:
+            found = self._score_mods.setdefault(softcap, ScoreMask(self, softcap))
+        return found
+
+    def __call__(self, b, h, q_idx, kv_idx):
+        s = self.structure
+        d = q_idx - kv_idx
+        if s.shifted:
+            d = d + self.shift
+        conditions = []
+        if s.causal:
+            conditions.append(d >= 0)
+        if s.window is not None:
+            conditions.append(d < s.window)
+        if s.bidirectional_window is not None:
+            conditions.append((d <= s.bidirectional_window) & (-d <= s.bidirectional_window))
+        if s.documents:
+            conditions.append(self.documents[b, q_idx] == self.documents[b, kv_idx])
+        if s.padding:
+            conditions.append(self.padding[b, kv_idx])
+        for other in s.others:
+            conditions.append(other(b, h, q_idx, kv_idx))
+        result = conditions[0]
+        for c in conditions[1:]:
+            result = result & c
+        return result
+
+
+class ScoreMask:
+    """A `LocalMask` as a score_mod: -inf where it excludes a pair (Note [Masks under
+    torch.compile and CUDA graphs]), after Gemma 2's softcap when there is one. A callable object
+    rather than a closure: torch.compile follows its attributes to the mask's tensors."""
+
+    def __init__(self, mask: LocalMask, softcap: float | None) -> None:
+        self.mask = mask
+        self.softcap = softcap
+        self.__name__ = "transformers_score_mask"
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        if self.softcap is not None:
+            score = self.softcap * torch.tanh(score / self.softcap)
+        return torch.where(self.mask(b, h, q_idx, kv_idx), score, -float("inf"))
+
+
+def _absolute(fn, q_offset, kv_offset, device) -> Callable[..., Any]:
+    """transformers' own mask function on absolute positions."""
+    ints = not isinstance(q_offset, torch.Tensor) and not isinstance(kv_offset, torch.Tensor)
+    if ints and q_offset == 0 and kv_offset == 0:
+        return fn
+    q_shift = _offset_tensor(q_offset, device)
+    kv_shift = _offset_tensor(kv_offset, device)
+
+    def absolute(b, h, q_idx, kv_idx):
+        return fn(b, h, q_idx + q_shift, kv_idx + kv_shift)
+
+    return absolute
+
+
+# BlockMasks of masks that read no tensor, by what they depend on (Note [Transformers' masks as
+# flexfa masks]): prefill and training at repeated lengths reuse one BlockMask object.
+_block_mask_cache: OrderedDict[tuple, BlockMask] = OrderedDict()
+_BLOCK_MASK_CACHE_SIZE = 32
+
+
+def _block_mask(mask_mod: LocalMask, batch: int, len_q: int, len_kv: int, device) -> BlockMask:
+    st = mask_mod.structure
+    reads_tensor = st.shifted or st.documents or st.padding or bool(st.others)
+    key = None
+    if not reads_tensor:
+        key = (st, len_q, len_kv, str(device))
+        found = _block_mask_cache.get(key)
+        if found is not None:
+            _block_mask_cache.move_to_end(key)
+            return found
+    per_batch = st.documents or st.padding or bool(st.others)
+    bm = flexfa.create_block_mask(
+        mask_mod, batch if per_batch else None, None, len_q, len_kv, device=device
+    )
+    if key is not None:
+        _block_mask_cache[key] = bm
+        while len(_block_mask_cache) > _BLOCK_MASK_CACHE_SIZE:
+            _block_mask_cache.popitem(last=False)
+    return bm
+
+
+# -- the attention -------------------------------------------------------------------------------
+
+_softcaps: dict[float, Callable[..., Any]] = {}
+
+
+def _softcap(cap: float) -> Callable[..., Any]:
+    """One score_mod object per cap, so that repeated calls find their traced mod by identity."""
+    found = _softcaps.get(cap)
+    if found is None:
+        found = _softcaps[cap] = softcap_mod(cap)
+    return found
+
+
+def _dense_mask_score_mod(mask: torch.Tensor, softcap: float | None) -> Callable[..., Any]:
+    """A 4-D mask given by the caller (bool: True attends; float: added to the scores), after an
+    optional softcap."""
+    cap = softcap_mod(softcap) if softcap else None
+    if mask.dtype == torch.bool:
+
+        def dense_mask(score, b, h, q_idx, kv_idx):
+            if cap is not None:
+                score = cap(score, b, h, q_idx, kv_idx)
+            return torch.where(mask[b, 0, q_idx, kv_idx], score, -float("inf"))
+
+    else:
+
+        def dense_mask(score, b, h, q_idx, kv_idx):
+            if cap is not None:
+                score = cap(score, b, h, q_idx, kv_idx)
+            return score + mask[b, 0, q_idx, kv_idx]
+
+    return dense_mask
+
+
+_dense_warned = False
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: TransformersMask | torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention interface: one attention layer on flexfa.
+
+    query (B, Hq, Lq, E), key/value (B, Hkv, Lkv, E|Ev) as the model's attention module passes
+    them (KV caches included); returns the output as (B, Lq, Hq, Ev) and no attention weights.
+    `scaling`, GQA, `softcap` (Gemma 2), the mask of `build_mask` and `s_aux` (GPT-OSS's attention
+    sinks, applied through the LSE) are honoured; `dropout` > 0 is refused, as transformers does
+    for torch FlexAttention.
+    """
+    if dropout:
+        raise ValueError(
+            f"flexfa attention does not support attention dropout (got dropout={dropout}): run "
+            "inference with model.eval(), or set the config's attention dropout to 0 to train"
+        )
+    score_mod = _softcap(float(softcap)) if softcap else None
+    block_mask = None
+    if isinstance(attention_mask, TransformersMask):
+        mask_mod = attention_mask.mask_mod
+        if not torch.compiler.is_compiling():
+            block_mask = attention_mask.block_mask
+        elif mask_mod is not None and query.shape[2] <= SHORT_QUERY:
+            score_mod = mask_mod.as_score_mod(float(softcap) if softcap else None)
+        else:
+            block_mask = mask_mod
+    elif isinstance(attention_mask, torch.Tensor):
+        global _dense_warned
+        if not _dense_warned:
+            _dense_warned = True
+            warnings.warn(
+                "flexfa was given a dense 4-D attention mask (built outside flexfa's mask "
+                "builder): it is read per pair as a score_mod, without skipping masked tiles",
+                stacklevel=2,
+            )
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        score_mod = _dense_mask_score_mod(mask, float(softcap) if softcap else None)
+    elif attention_mask is not None:
+        raise TypeError(
+            "flexfa attention expects the mask of flexfa's mask builder, a 4-D tensor or None, got "
+            f"{type(attention_mask).__name__}; build the model with attn_implementation set to "
+            "the name given to flexfa.integrations.transformers.register()"
+        )
+    enable_gqa = query.shape[1] != key.shape[1]
+    paged = {}
+    static = getattr(attention_mask, "static_cache", None)
+    if (
+        static is not None
+        and not torch.compiler.is_compiling()
+        and key.shape[0] == static.kv_lens.shape[0]
+        and key.shape[2] == static.capacity
+    ):  # Note [Static caches as page pools]
+        paged = dict(page_table=static.page_table, kv_lens=static.kv_lens)
+        block_mask = None
+    elif static is not None and not torch.compiler.is_compiling():
+        block_mask = attention_mask.mask_mod  # built for this call's keys
+    call = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=enable_gqa)
+    if s_aux is None:
+        out = flexfa.attention(query, key, value, **call, **paged)
+    else:
+        out, lse = flexfa.attention(query, key, value, **call, **paged, return_lse=True)
+        out = _apply_sinks(out, lse, s_aux)
+    # flexfa's output has q's memory layout, (B, Lq, Hq, E) in memory for transformers' q.
+    return out.transpose(1, 2), None
+
+
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention with one extra logit per head that has no value (GPT-OSS): the softmax's
+    denominator gains exp(sink), so the output scales by exp(lse) / (exp(lse) + exp(sink)) =
+    sigmoid(lse - sink); differentiable in out, lse and the sinks. An empty row stays 0."""
+    factor = torch.sigmoid(lse - sinks.float().view(1, -1, 1))
+    return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
+
+
+__all__ = ["MaskParts", "TransformersMask", "attention_forward", "build_mask", "register"]

@@ -1,0 +1,337 @@
+"""flexfa as a transformers attention implementation (flexfa/integrations/transformers.py).
+
+Tiny random models (hidden 64, 2 layers, vocab 128) of five families run with
+`attn_implementation="flexfa"` against the same weights with `"eager"`, in float32 on the CPU:
+logits, padded batches, greedy generation, packed sequences and training gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import flexfa.integrations.transformers as flexfa_hf  # noqa: E402
+
+NAME = flexfa_hf.register()
+VOCAB = 128
+# Errors of float32 attention against float32 eager attention after two layers: a few units in the
+# last place of logits of magnitude ~1 (tests/tolerance.py's atol for float32 results).
+ATOL, RTOL = 2e-5, 1e-4
+
+
+def _config(family: str):
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        head_dim=16,
+    )
+    if family == "llama":
+        return transformers.LlamaConfig(**common)
+    if family == "qwen2":
+        return transformers.Qwen2Config(**common)
+    if family == "mistral":  # every layer slides
+        return transformers.MistralConfig(**common, sliding_window=9)
+    if family == "gemma2":  # softcapping, one sliding and one full layer
+        return transformers.Gemma2Config(
+            **common,
+            sliding_window=9,
+            attn_logit_softcapping=5.0,
+            final_logit_softcapping=30.0,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    if family == "gpt_oss":  # attention sinks, sliding and full layers
+        return transformers.GptOssConfig(
+            **{k: v for k, v in common.items() if k != "intermediate_size"},
+            intermediate_size=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            sliding_window=9,
+            layer_types=["sliding_attention", "full_attention"],
+        )
+    raise ValueError(family)
+
+
+FAMILIES = ["llama", "qwen2", "mistral", "gemma2", "gpt_oss"]
+_models: dict[str, tuple] = {}
+
+
+def _pair(family: str):
+    """(eager model, flexfa model) with the same random weights, in eval mode."""
+    if family not in _models:
+        torch.manual_seed(0)
+        config = _config(family)
+        eager = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation="eager"
+        )
+        if family == "gpt_oss":  # random sinks, so that they matter
+            for layer in eager.model.layers:
+                torch.nn.init.normal_(layer.self_attn.sinks, std=1.0)
+        ours = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation=NAME
+        )
+        ours.load_state_dict(eager.state_dict())
+        assert ours.config._attn_implementation == NAME
+        assert eager.config._attn_implementation == "eager"
+        _models[family] = (eager.eval(), ours.eval())
+    return _models[family]
+
+
+def _close(got, want, what):
+    err = (got - want).abs().max().item()
+    bound = ATOL + RTOL * want.abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3g} > {bound:.3g}"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_eager(family):
+    eager, ours = _pair(family)
+    ids = torch.randint(0, VOCAB, (2, 29), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _close(ours(ids).logits, eager(ids).logits, f"{family} logits")
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_eager_on_real_tokens(family, side):
+    eager, ours = _pair(family)
+    ids = torch.randint(0, VOCAB, (3, 23), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 23, dtype=torch.long)
+    if side == "left":
+        mask[0, :7], mask[2, :15] = 0, 0
+    else:
+        mask[0, -7:], mask[2, -15:] = 0, 0
+    with torch.no_grad():
+        want = eager(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    real = mask.bool()  # padded positions' outputs are not defined alike (eager averages them)
+    _close(got[real], want[real], f"{family} {side}-padded logits")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_generation_token_for_token(family):
+    eager, ours = _pair(family)
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0  # left padding, as batched generation pads
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    want = eager.generate(ids, **kwargs)
+    got = ours.generate(ids, **kwargs)
+    assert torch.equal(got, want), f"{family}: {got.tolist()} != {want.tolist()}"
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_static_cache_generation_token_for_token(family, monkeypatch):
+    """Full-attention layers decode from the static cache read as a page pool (Note [Static
+    caches as page pools]); the tokens are eager's."""
+    eager, ours = _pair(family)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(max_new_tokens=10, do_sample=False, cache_implementation="static")
+    paged = []
+    attention = flexfa_hf.flexfa.attention
+
+    def counting(*args, **kw):
+        paged.append(kw.get("kv_lens") is not None)
+        return attention(*args, **kw)
+
+    monkeypatch.setattr(flexfa_hf.flexfa, "attention", counting)
+    assert torch.equal(ours.generate(ids, **kwargs), eager.generate(ids, **kwargs))
+    layers = ours.config.num_hidden_layers
+    full = sum(t == "full_attention" for t in getattr(ours.config, "layer_types", None) or [])
+    assert sum(paged) == 9 * (full or layers)  # every decode step's full-attention layers
+
+
+def _packed_inputs():
+    """Three documents (7, 12, 5 tokens) in one row, told apart by position_ids."""
+    lengths = [7, 12, 5]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), generator=torch.Generator().manual_seed(5))
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    return ids, positions, lengths
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
+def test_packed_sequences_are_independent(family):
+    """Each packed document's logits equal its logits alone (by eager), and eager's packed run."""
+    eager, ours = _pair(family)
+    ids, positions, lengths = _packed_inputs()
+    with torch.no_grad():
+        got = ours(ids, position_ids=positions, use_cache=False).logits
+        want = eager(ids, position_ids=positions, use_cache=False).logits
+        _close(got, want, f"{family} packed logits")
+        start = 0
+        for n in lengths:
+            alone = eager(ids[:, start : start + n]).logits
+            _close(got[:, start : start + n], alone, f"{family} document at {start}")
+            start += n
+
+
+def _grads(model, ids, positions):
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, position_ids=positions, use_cache=False).logits
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    named = model.named_parameters()
+    return {n.removeprefix("_orig_mod."): p.grad for n, p in named if p.grad is not None}
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_training_step_gradients_match_eager(family):
+    eager, ours = _pair(family)
+    ids, positions, _ = _packed_inputs()
+    eager.train(), ours.train()
+    try:
+        want = _grads(eager, ids, positions)
+        got = _grads(ours, ids, positions)
+    finally:
+        eager.eval(), ours.eval()
+    assert want.keys() == got.keys()
+    if family == "gpt_oss":
+        assert got["model.layers.0.self_attn.sinks"].abs().sum() > 0  # sinks get gradients
+    for name in want:
+        _close(got[name], want[name], f"{family} grad of {name}")
+
+
+def test_dropout_is_refused_in_training():
+    _, ours = _pair("llama")
+    config = copy.deepcopy(ours.config)
+    config.attention_dropout = 0.1
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=NAME).train()
+    with pytest.raises(ValueError, match="dropout"):
+        model(torch.randint(0, VOCAB, (1, 8)))
+
+
+def test_masks_are_built_once_per_kind_and_forward(monkeypatch):
+    """Gemma2 has a sliding and a full layer: one mask each per forward, whatever the depth."""
+    _, ours = _pair("gemma2")
+    built = []
+    create = flexfa_hf.flexfa.create_block_mask
+
+    def counting(*args, **kwargs):
+        built.append(args[3:5])
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(flexfa_hf.flexfa, "create_block_mask", counting)
+    flexfa_hf._block_mask_cache.clear()
+    with torch.no_grad():
+        ours(torch.randint(0, VOCAB, (1, 300)))
+        assert len(built) == 2  # sliding and full
+        ours(torch.randint(0, VOCAB, (1, 300)))
+        assert len(built) == 2  # reused across forwards: they read no tensor
+
+
+def test_decode_step_without_padding_needs_no_mask():
+    parts_fn = transformers.masking_utils.causal_mask_function
+    mask = flexfa_hf.build_mask(2, 1, 40, q_offset=39, kv_offset=0, mask_function=parts_fn)
+    assert mask.mask_mod is None and mask.block_mask is None
+    sliding = transformers.masking_utils.sliding_window_causal_mask_function(9)
+    mask = flexfa_hf.build_mask(2, 1, 9, q_offset=39, kv_offset=31, mask_function=sliding)
+    assert mask.mask_mod is None
+    mask = flexfa_hf.build_mask(2, 1, 40, q_offset=39, kv_offset=0, mask_function=sliding)
+    assert mask.mask_mod is not None  # a full-length cache: the window excludes old keys
+
+
+def test_unknown_mask_functions_are_kept_whole():
+    """A composition flexfa does not recognise is called as transformers wrote it."""
+    mu = transformers.masking_utils
+
+    def every_other(b, h, q_idx, kv_idx):
+        return kv_idx % 2 == 0
+
+    fn = mu.or_masks(mu.causal_mask_function, every_other)
+    mask = flexfa_hf.build_mask(1, 17, 17, mask_function=fn)
+    q = k = v = torch.randn(1, 2, 17, 16)
+    got = flexfa_hf.attention_forward(torch.nn.Module(), q, k, v, mask)[0].transpose(1, 2)
+    i = torch.arange(17)
+    allowed = (i[:, None] >= i[None, :]) | (i[None, :] % 2 == 0)
+    scores = (q @ k.transpose(-1, -2) / 4).masked_fill(~allowed, -float("inf"))
+    _close(got, scores.softmax(-1) @ v, "or_masks")
+
+
+@pytest.mark.parametrize("kind", ["bool", "float"])
+def test_a_dense_4d_mask_is_read_per_pair(kind):
+    """A ready 4-D mask (which transformers passes through untouched) applies, with a warning."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(2, 4, 9, 16, generator=g)
+    k, v = (torch.randn(2, 2, 13, 16, generator=g) for _ in range(2))
+    allowed = torch.rand(2, 1, 9, 13, generator=g) < 0.7
+    allowed[..., 0] = True  # no empty row
+    bias = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+    mask = allowed if kind == "bool" else bias
+    flexfa_hf._dense_warned = False
+    with pytest.warns(UserWarning, match="dense 4-D attention mask"):
+        got = flexfa_hf.attention_forward(torch.nn.Module(), q, k, v, mask, scaling=0.3)[0]
+    kk, vv = (t.repeat_interleave(2, dim=1) for t in (k, v))
+    want = ((q @ kk.transpose(-1, -2)) * 0.3 + bias).softmax(-1) @ vv
+    _close(got.transpose(1, 2), want, f"{kind} 4-D mask")
+
+
+def test_wrong_mask_type_is_a_clear_error():
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(TypeError, match="mask builder"):
+        flexfa_hf.attention_forward(torch.nn.Module(), q, q, q, attention_mask="causal")
+
+
+@pytest.mark.parametrize("family", ["llama", pytest.param("gemma2", marks=pytest.mark.slow)])
+def test_whole_model_under_torch_compile(family):
+    """Logits and a training step's gradients of the compiled model match eager attention."""
+    torch._dynamo.reset()
+    eager, ours = _pair(family)
+    compiled = torch.compile(ours, backend="aot_eager")
+    ids, positions, _ = _packed_inputs()
+    with torch.no_grad():
+        _close(compiled(ids).logits, eager(ids).logits, f"{family} compiled logits")
+        padded = torch.ones(1, ids.shape[1], dtype=torch.long)
+        padded[0, :5] = 0
+        real = padded[0].bool()
+        want = eager(ids, attention_mask=padded).logits[0, real]
+        _close(compiled(ids, attention_mask=padded).logits[0, real], want, "compiled padded")
+    eager.train(), ours.train()
+    try:
+        want = _grads(eager, ids, positions)
+        got = _grads(compiled, ids, positions)
+    finally:
+        eager.eval(), ours.eval()
+    for name in want:
+        _close(got[name], want[name], f"{family} compiled grad of {name}")
+
+
+@pytest.mark.slow
+def test_static_cache_decode_under_torch_compile():
+    """Decode steps of a compiled model take the score-mod mask (Note [Masks under torch.compile
+    and CUDA graphs]) and give eager's tokens."""
+    torch._dynamo.reset()
+    eager, ours = _pair("llama")
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(6))
+    kwargs = dict(max_new_tokens=6, do_sample=False, cache_implementation="static")
+    ours.forward = torch.compile(ours.forward, backend="aot_eager")
+    try:
+        got = ours.generate(ids, **kwargs)
+    finally:
+        del ours.forward
+    assert torch.equal(got, eager.generate(ids, **kwargs))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+def test_prefill_and_generation_on_gpu(family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    eager, ours = _pair(family)
+    eager, ours = copy.deepcopy(eager).cuda(), copy.deepcopy(ours).cuda()
+    ids = torch.randint(0, VOCAB, (4, 300), device="cuda")
+    with torch.no_grad():
+        want = eager(ids).logits
+        got = ours(ids).logits
+    # float32 on the GPU: either side may multiply in TF32 (10-bit mantissas), hence the bound.
+    err = (got - want).abs().max().item()
+    assert err <= 2e-3 * want.abs().max().item() + 1e-4, f"{family} logits on the GPU: {err:.3g}"
+    kwargs = dict(max_new_tokens=16, do_sample=False)
+    assert torch.equal(ours.generate(ids[:, :64], **kwargs), eager.generate(ids[:, :64], **kwargs))
