@@ -101,6 +101,7 @@ HELPERS = (
     "flexfa_floordiv",
     "flexfa_floormod",
     "flexfa_scatter_tile",
+    "flexfa_tile_distances",
     "flexfa_diagonal_sums",
 )
 
@@ -532,28 +533,31 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
             f"tl.atomic_add({p.grad_ptr} + o{i}, {r}, mask=m{i})",
         ]
         return lines + ["    " + line for line in body_lines]
-    # DIAGONAL and GENERAL: the offsets of the whole tile, over its live pairs only.
-    body_lines = [
-        f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)",
-        f"m{i} = ((({guards}) + tl.zeros_like(o{i})) != 0) & live",
-    ]
     if strategy is ScatterStrategy.GENERAL:
-        body_lines.append(f"flexfa_scatter_tile({p.grad_ptr}, {v}, o{i}, m{i})")
+        # The offsets of the whole tile, over its live pairs only; the helper decides per tile.
+        body_lines = [
+            f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)",
+            f"m{i} = ((({guards}) + tl.zeros_like(o{i})) != 0) & live",
+            f"flexfa_scatter_tile({p.grad_ptr}, {v}, o{i}, m{i})",
+        ]
         return lines + ["    " + line for line in body_lines]
-    # DIAGONAL: the index is a function of d = q_idx - kv_idx, evaluated once per diagonal with
-    # q_idx := d and kv_idx := 0 (reads_only_distance says that gives the same value).
+    # DIAGONAL: the index is a function of d = q_idx - kv_idx, so it is evaluated once per
+    # diagonal of the tile (a vector), with q_idx := d and kv_idx := 0 (reads_only_distance says
+    # that gives the same value). Equal offsets on every diagonal: one atomic of the tile's sum.
     diag = _Body({**_VAR_PARAMS, "q_idx": f"d{i}", "kv_idx": "0"}, prefix=f"u{i}_")
     diag.emit(list(index_nodes))
     d_offset, d_guards = _offset_and_guard([diag.name(s) for s in index_nodes], p)
-    body_lines += [
-        f"lo{i} = tl.min(tl.min(tl.where(m{i}, o{i}, 2147483647), 1), 0)",
-        f"hi{i} = tl.max(tl.max(tl.where(m{i}, o{i}, -1), 1), 0)",
+    body_lines = [
+        f"d{i}, e{i} = flexfa_tile_distances({c}, q_idx, kv_idx, Q_AXIS)",
+        *diag.lines,
+        f"o{i} = ({d_offset}) + tl.zeros_like(d{i})",
+        f"m{i} = ((({d_guards}) + tl.zeros_like(d{i})) != 0) & e{i}",
+        f"lo{i} = tl.min(tl.where(m{i}, o{i}, 2147483647), 0)",
+        f"hi{i} = tl.max(tl.where(m{i}, o{i}, -1), 0)",
         f"if lo{i} == hi{i}:",
         f"    tl.atomic_add({p.grad_ptr} + hi{i}, tl.sum(tl.sum({v}, 1), 0))",
         f"elif lo{i} < hi{i}:",
-        f"    s{i}, d{i} = flexfa_diagonal_sums({v}, q_idx, kv_idx, Q_AXIS)",
-        *("    " + line for line in diag.lines),
-        f"    md{i} = ((({d_guards}) + tl.zeros_like(d{i})) != 0) & ({'s'}{i} != 0)",
-        f"    tl.atomic_add({p.grad_ptr} + ({d_offset}) + tl.zeros_like(d{i}), s{i}, mask=md{i})",
+        f"    s{i} = flexfa_diagonal_sums({v})",
+        f"    tl.atomic_add({p.grad_ptr} + o{i}, s{i}, mask=m{i} & (s{i} != 0))",
     ]
     return lines + ["    " + line for line in body_lines]

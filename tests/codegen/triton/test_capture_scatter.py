@@ -70,12 +70,12 @@ def test_strategy_is_chosen_from_the_index_expression(name, fn, expected):
         assert "u0_0 = d0 - 0" in source or "u0_0 = 0 - d0" in source, source
 
 
-def _table_mod(index, shape, *, scale: float = 0.5):
+def _table_mod(index, shape, *, scale: float = 0.5, device: str = "cpu"):
     """A maker of `score + table[index(h, q_idx, kv_idx)]` with a learnable table."""
 
     def make(dtype):
         g = torch.Generator().manual_seed(3)
-        table = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+        table = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
         table.requires_grad_(True)
 
         def score_mod(score, b, h, q_idx, kv_idx):
@@ -167,7 +167,7 @@ def test_gpu_against_reference(name, deterministic, dtype):
     big = {"uniform_tiles": (24, 24), "two_offsets": (48, 24), "row_uniform": (2, 5, 24)}
     check_attention(
         p,
-        score_mod=_table_mod(index, big.get(name, shape)),
+        score_mod=_table_mod(index, big.get(name, shape), device="cuda"),
         mask_mod=flexfa.masks.causal,
         backend="triton",
         device="cuda",
