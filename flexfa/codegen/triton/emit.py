@@ -18,10 +18,29 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 
 # Note [Scatter-add of captured gradients]
 # d loss / d capture[idx] sums `grad * d_load` over every (q, kv) pair whose load read capture[idx].
-# When a load's indices do not depend on kv_idx (or q_idx), all pairs of a tile row (column) hit
-# the same element, so the function first sums the contributions along that axis and issues one
-# atomic per row (column); an index that depends on neither costs one atomic per tile. `Q_AXIS`
-# says which tile axis runs over queries, so the reduction axis is known at compile time.
+# One float atomic per pair serializes wherever many pairs share an index: a clamped relative
+# distance sends every pair of every far tile to one entry (on an H200 that made a learnable
+# relative bias 190x slower than a frozen one). So contributions are summed in registers first,
+# and the way is chosen per load from its index expressions (`scatter_strategy`, static):
+#   TILE      reads neither q_idx nor kv_idx (b, h, constants): the tile's sum, one atomic.
+#   ROW       reads q_idx only: sums along the tile's kv axis, one atomic per query; COLUMN the same
+#             for kv_idx. `Q_AXIS` says which tile axis runs over queries (dQ kernel 0, dK/dV 1).
+#   DIAGONAL  every path from q_idx/kv_idx into the index passes through `q_idx - kv_idx` (relative
+#             positions, clamped, T5 log buckets; `reads_only_distance`): the index is a function
+#             of the distance d, constant along the tile's diagonals. It is evaluated once per
+#             diagonal (q_idx := d, kv_idx := 0, a vector of 2 * max(rows, cols)); where all
+#             diagonals give one offset (far tiles of a clamped distance) the tile's sum takes one
+#             atomic, otherwise `flexfa_diagonal_sums` skews the tile with `tl.gather` (Triton
+#             3.2 and later, and its interpreter) so that each diagonal is a column, and each
+#             diagonal sum takes one atomic (rows + cols - 1 per tile).
+#   GENERAL   anything else (a 2-D table indexed by (q_idx // 64, kv_idx // 64), gathers through
+#             other tensors, packed-batch positions): `flexfa_scatter_tile` looks at the tile's live
+#             offsets at run time: all equal -> one atomic of the tile's sum; two values -> two
+#             atomics; one offset per row (column) -> one atomic per row (column); otherwise one
+#             per pair. The tests are a few reductions of an int32 tile, cheap next to the tile's
+#             matmuls, and the per-pair fallback bounds nothing only for indices that differ
+#             within rows and columns alike, where contention is low anyway.
+# Pairs outside `live` contribute 0 and are left out of every test.
 #
 # Note [Deterministic captured gradients]
 # Floating-point atomics add in whatever order programs arrive, so float gradients of captured
@@ -34,7 +53,10 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #      capture_scales[j] (max is order-independent)
 #   3  second pass: add round(contribution * capture_scales[j]) as int64, where the launcher chose
 #      the scale 2**k so that (number of pairs) * max |contribution| * scale < 2**62: no overflow,
-#      and a quantization step far below float32 rounding of the contribution itself.
+#      and a quantization step far below float32 rounding of the contribution itself. Each
+#      contribution is quantized before any sum, so the reductions of Note [Scatter-add of
+#      captured gradients] apply unchanged to the integers, and the result is the same whichever
+#      strategy, tile shape or branch summed it.
 """
 
 from __future__ import annotations
