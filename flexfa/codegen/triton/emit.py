@@ -34,7 +34,7 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #             3.2 and later, and its interpreter) so that each diagonal is a column, and each
 #             diagonal sum takes one atomic (rows + cols - 1 per tile).
 #   GENERAL   anything else (a 2-D table indexed by (q_idx // 64, kv_idx // 64), gathers through
-#             other tensors, packed-batch positions): `flexfa_scatter_tile` looks at the tile's live
+#             other tensors, packed-batch positions, an index computed from the score): `flexfa_scatter_tile` looks at the tile's live
 #             offsets at run time: all equal -> one atomic of the tile's sum; two values -> two
 #             atomics; one offset per row (column) -> one atomic per row (column); otherwise one
 #             per pair. The tests are a few reductions of an int32 tile, cheap next to the tile's
@@ -498,6 +498,8 @@ def reads_only_distance(nodes: tuple[Node, ...] | list[Node]) -> bool:
 
 def scatter_strategy(load: Node) -> ScatterStrategy:
     """The accumulation of a load's gradient, chosen from its index expressions (static)."""
+    if any(depends_on(n, "score") for n in load.srcs[1:]):
+        return ScatterStrategy.GENERAL  # an index computed from the score varies over any tile
     axes = index_axes(load)
     if not axes:
         return ScatterStrategy.TILE

@@ -45,8 +45,12 @@ def _index_mods():
     def distance_plus_position(score, b, h, q_idx, kv_idx):
         return score + t[h, 0, (q_idx - kv_idx + q_idx % 2) % 8]
 
+    def from_score(score, b, h, q_idx, kv_idx):
+        return score + t[h, 0, (score > 0).to(torch.int32)]
+
     return [
         ("tile", tile, ScatterStrategy.TILE),
+        ("from_score", from_score, ScatterStrategy.GENERAL),
         ("row", row, ScatterStrategy.ROW),
         ("column", column, ScatterStrategy.COLUMN),
         ("clamped_distance", clamped_distance, ScatterStrategy.DIAGONAL),
@@ -185,3 +189,25 @@ def test_gpu_deterministic_is_bitwise_repeatable(name):
         _grads(index, big.get(name, shape), True, "cuda", torch.bfloat16, 300) for _ in range(2)
     )
     assert torch.equal(first, second), "deterministic gradients differ between runs"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_interpreter_index_computed_from_the_score(deterministic):
+    """An index that reads the score varies over any tile: the per-tile decision, not TILE."""
+
+    def make(dtype):
+        g = torch.Generator().manual_seed(0)
+        table = torch.randn(2, 2, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+
+        def by_sign(score, b, h, q_idx, kv_idx):
+            return score + table[h, (score > 0).to(torch.int32)]
+
+        return BuiltMod(by_sign, (table,))
+
+    check_attention(
+        Problem(batch=1, heads_q=2, heads_kv=2, len_q=33, len_kv=21),
+        score_mod=make,
+        backend="triton",
+        kernel_options=INTERPRETER_TILES,
+        deterministic=deterministic,
+    )
