@@ -50,7 +50,10 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #   0  nothing (no captured tensor needs a gradient)
 #   1  float32 atomic add (default, fastest)
 #   2  first pass of the deterministic mode: atomic max of |contribution| per capture into
-#      capture_scales[j] (max is order-independent)
+#      capture_scales[j] (max is order-independent). It runs in the dK/dV kernel, which visits
+#      every pair anyway, so the mode costs no extra kernel; its contributions may differ from
+#      the dQ kernel's in the last bits (another matmul order), which moves the scale by at most
+#      a factor 2 and leaves the headroom below 2**63.
 #   3  second pass: add round(contribution * capture_scales[j]) as int64, where the launcher chose
 #      the scale 2**k so that (number of pairs) * max |contribution| * scale < 2**62: no overflow,
 #      and a quantization step far below float32 rounding of the contribution itself. Each
