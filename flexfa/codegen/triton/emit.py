@@ -34,12 +34,14 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #             3.2 and later, and its interpreter) so that each diagonal is a column, and each
 #             diagonal sum takes one atomic (rows + cols - 1 per tile).
 #   GENERAL   anything else (a 2-D table indexed by (q_idx // 64, kv_idx // 64), gathers through
-#             other tensors, packed-batch positions, an index computed from the score): `flexfa_scatter_tile` looks at the tile's live
-#             offsets at run time: all equal -> one atomic of the tile's sum; two values -> two
-#             atomics; one offset per row (column) -> one atomic per row (column); otherwise one
-#             per pair. The tests are a few reductions of an int32 tile, cheap next to the tile's
-#             matmuls, and the per-pair fallback bounds nothing only for indices that differ
-#             within rows and columns alike, where contention is low anyway.
+#             other tensors, packed-batch positions, an index computed from the score):
+#             `flexfa_scatter_tile` looks at the tile's live offsets at run time: all equal -> one
+#             atomic of the tile's sum; two values -> two atomics; one offset per row (column) ->
+#             one atomic per row (column); one per 16 x 16 sub-block (tiles are multiples of 16)
+#             -> one atomic per sub-block; otherwise one per pair. Each test is a few reductions
+#             of an int32 tile, cheap next to the tile's matmuls, and runs only where the previous
+#             one failed. Only indices that change within 16 x 16 sub-blocks along both axes reach
+#             the per-pair atomics; those spread over many entries, so contend little.
 # Pairs outside `live` contribute 0 and are left out of every test.
 #
 # Note [Deterministic captured gradients]
@@ -126,6 +128,7 @@ HELPERS = (
     "flexfa_floordiv",
     "flexfa_floormod",
     "flexfa_scatter_tile",
+    "flexfa_scatter_sub_blocks",
     "flexfa_tile_distances",
     "flexfa_diagonal_sums",
 )

@@ -119,6 +119,20 @@ def test_interpreter_against_reference(name, deterministic):
     )
 
 
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_interpreter_sub_blocks(deterministic):
+    """32-wide tiles with an index constant on 16 x 16 sub-blocks, four offsets per tile that
+    neither rows nor columns share: one atomic per sub-block."""
+    wide = {key: 32 for key in INTERPRETER_TILES}
+    check_attention(
+        Problem(batch=1, heads_q=1, heads_kv=1, len_q=70, len_kv=45, head_dim=16, head_dim_v=16),
+        score_mod=_table_mod(lambda h, q, kv: (q // 16, kv // 16), (5, 3)),
+        backend="triton",
+        kernel_options=wide,
+        deterministic=deterministic,
+    )
+
+
 @pytest.mark.parametrize("name", ["row_uniform", "clamped_distance"])
 def test_interpreter_fused_dq(name):
     """With bwd_dq="fused" the scatter runs in the dK/dV kernel, whose tile rows are keys: the
