@@ -126,6 +126,7 @@ def check_attention(
     context: str = "",
     layouts: Mapping[str, str] | None = None,
     device: torch.device | str = "cpu",
+    deterministic: bool = False,
 ) -> ThreeWay:
     """Compare `flexfa.attention(backend=...)` with the reference; raises AssertionError on failure.
 
@@ -187,6 +188,7 @@ def check_attention(
         return_lse=True,
         backend=backend,
         kernel_options=kernel_options,
+        deterministic=deterministic,
     )
     lse_dtype = torch.float64 if p.dtype == torch.float64 else torch.float32
     assert out.dtype == p.dtype, f"output dtype {out.dtype}, expected {p.dtype}"

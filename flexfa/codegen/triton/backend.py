@@ -348,7 +348,8 @@ class Launcher:
             HAS_PARTIAL=self.flags.has_q_partial,
             HAS_FULL=self.flags.has_q_full,
             FUSED_DQ=fused,
-            CAPTURE_MODE=capture_mode if fused else 0,
+            # The deterministic mode's first pass (2) runs here, where every pair is visited anyway.
+            CAPTURE_MODE=capture_mode if fused or capture_mode == 2 else 0,
         )
         dkdv_args = [
             q, k, v, dout, dk, dv, lse, delta, acc,
@@ -494,9 +495,9 @@ class Launcher:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=dev) if fused else None
         common = (q, k, v, out, lse, dout, dlse, delta, dq, dk, dv, score_tensors)
 
-        def run(grad_buffers: list, mode: int, only_dq: bool = False) -> None:
+        def run(grad_buffers: list, mode: int, only_dq: bool = False, no_dq: bool = False) -> None:
             launches = self.backward_launches(*common, grad_buffers, mode, dq_acc=dq_acc)
-            launches = launches[-1:] if only_dq else launches
+            launches = launches[-1:] if only_dq else launches[:-1] if no_dq else launches
             warm_up(launches)  # a cold backward compiles its kernels concurrently
             for kl in launches:
                 launch(kl)
@@ -515,11 +516,12 @@ class Launcher:
             run([*bufs, placeholder], 1)
             grads = dict(zip(slots, bufs))
         else:
-            # A full pass that also finds max |contribution| per capture, then the dQ kernel again
-            # accumulating in fixed point (Note [Deterministic captured gradients] in emit.py).
+            # The dK/dV kernel also finds max |contribution| per capture, then the dQ kernel
+            # accumulates in fixed point (Note [Deterministic captured gradients] in emit.py): the
+            # same kernels as the default mode, each run once.
             ints = [torch.zeros(shape, dtype=torch.int64, device=dev) for shape in shapes]
             scales = torch.zeros(len(slots), dtype=torch.float32, device=dev)
-            run([*ints, scales], 2)
+            run([*ints, scales], 2, no_dq=True)
             pairs = spec.batch * spec.heads_q * spec.len_q * spec.len_kv
             exponent = torch.floor(62.0 - torch.log2(scales.clamp_min(1e-30)) - math.log2(pairs))
             scales.copy_(torch.where(scales > 0, torch.exp2(exponent.clamp(-126.0, 126.0)), 1.0))

@@ -18,10 +18,31 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 
 # Note [Scatter-add of captured gradients]
 # d loss / d capture[idx] sums `grad * d_load` over every (q, kv) pair whose load read capture[idx].
-# When a load's indices do not depend on kv_idx (or q_idx), all pairs of a tile row (column) hit
-# the same element, so the function first sums the contributions along that axis and issues one
-# atomic per row (column); an index that depends on neither costs one atomic per tile. `Q_AXIS`
-# says which tile axis runs over queries, so the reduction axis is known at compile time.
+# One float atomic per pair serializes wherever many pairs share an index: a clamped relative
+# distance sends every pair of every far tile to one entry (on an H200 that made a learnable
+# relative bias 190x slower than a frozen one). So contributions are summed in registers first,
+# and the way is chosen per load from its index expressions (`scatter_strategy`, static):
+#   TILE      reads neither q_idx nor kv_idx (b, h, constants): the tile's sum, one atomic.
+#   ROW       reads q_idx only: sums along the tile's kv axis, one atomic per query; COLUMN the same
+#             for kv_idx. `Q_AXIS` says which tile axis runs over queries (dQ kernel 0, dK/dV 1).
+#   DIAGONAL  every path from q_idx/kv_idx into the index passes through `q_idx - kv_idx` (relative
+#             positions, clamped, T5 log buckets; `reads_only_distance`): the index is a function
+#             of the distance d, constant along the tile's diagonals. It is evaluated once per
+#             diagonal (q_idx := d, kv_idx := 0, a vector of 2 * max(rows, cols)); where all
+#             diagonals give one offset (far tiles of a clamped distance) the tile's sum takes one
+#             atomic, otherwise `flexfa_diagonal_sums` skews the tile with `tl.gather` (Triton
+#             3.2 and later, and its interpreter) so that each diagonal is a column, and each
+#             diagonal sum takes one atomic (rows + cols - 1 per tile).
+#   GENERAL   anything else (a 2-D table indexed by (q_idx // 64, kv_idx // 64), gathers through
+#             other tensors, packed-batch positions, an index computed from the score):
+#             `flexfa_scatter_tile` looks at the tile's live offsets at run time: all equal -> one
+#             atomic of the tile's sum; two values -> two atomics; one offset per row (column) ->
+#             one atomic per row (column); one per 16 x 16 sub-block (tiles are multiples of 16)
+#             -> one atomic per sub-block; otherwise one per pair. Each test is a few reductions
+#             of an int32 tile, cheap next to the tile's matmuls, and runs only where the previous
+#             one failed. Only indices that change within 16 x 16 sub-blocks along both axes reach
+#             the per-pair atomics; those spread over many entries, so contend little.
+# Pairs outside `live` contribute 0 and are left out of every test.
 #
 # Note [Deterministic captured gradients]
 # Floating-point atomics add in whatever order programs arrive, so float gradients of captured
@@ -31,15 +52,22 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #   0  nothing (no captured tensor needs a gradient)
 #   1  float32 atomic add (default, fastest)
 #   2  first pass of the deterministic mode: atomic max of |contribution| per capture into
-#      capture_scales[j] (max is order-independent)
+#      capture_scales[j] (max is order-independent). It runs in the dK/dV kernel, which visits
+#      every pair anyway, so the mode costs no extra kernel; its contributions may differ from
+#      the dQ kernel's in the last bits (another matmul order), which moves the scale by at most
+#      a factor 2 and leaves the headroom below 2**63.
 #   3  second pass: add round(contribution * capture_scales[j]) as int64, where the launcher chose
 #      the scale 2**k so that (number of pairs) * max |contribution| * scale < 2**62: no overflow,
-#      and a quantization step far below float32 rounding of the contribution itself.
+#      and a quantization step far below float32 rounding of the contribution itself. Each
+#      contribution is quantized before any sum, so the reductions of Note [Scatter-add of
+#      captured gradients] apply unchanged to the integers, and the result is the same whichever
+#      strategy, tile shape or branch summed it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import torch
@@ -93,7 +121,17 @@ _INFIX = {
 }
 
 # Which helper functions (in templates/prelude.py) a body may call.
-HELPERS = ("flexfa_tanh", "flexfa_sign", "flexfa_pow", "flexfa_floordiv", "flexfa_floormod")
+HELPERS = (
+    "flexfa_tanh",
+    "flexfa_sign",
+    "flexfa_pow",
+    "flexfa_floordiv",
+    "flexfa_floormod",
+    "flexfa_scatter_tile",
+    "flexfa_scatter_sub_blocks",
+    "flexfa_tile_distances",
+    "flexfa_diagonal_sums",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,8 +231,9 @@ def provably_nonnegative(node: Node) -> bool:
 class _Body:
     """Emits SSA lines for a set of roots; leaves are inlined."""
 
-    def __init__(self, param_of_var: dict[str, str]) -> None:
+    def __init__(self, param_of_var: dict[str, str], prefix: str = "t") -> None:
         self.param_of_var = param_of_var
+        self.prefix = prefix
         self.names: dict[int, str] = {}
         self.lines: list[str] = []
         self._keep: list[Node] = []
@@ -216,7 +255,7 @@ class _Body:
             elif n.op is Op.SCALAR:
                 self.names[id(n)] = scalar_param(n.arg)
             else:
-                tmp = f"t{len(self.lines)}"
+                tmp = f"{self.prefix}{len(self.lines)}"
                 self.lines.append(f"{tmp} = {self._expr(n)}")
                 self.names[id(n)] = tmp
 
@@ -423,42 +462,132 @@ def index_axes(load: Node) -> frozenset[str]:
     return frozenset(deps & {"q_idx", "kv_idx"})
 
 
+class ScatterStrategy(enum.Enum):
+    """How the gradient of one load of a captured tensor is added up (Note [Scatter-add of
+    captured gradients])."""
+
+    TILE = "tile"  # the index reads neither q_idx nor kv_idx: one atomic per tile
+    ROW = "row"  # q_idx only: summed along the tile's kv axis, one atomic per query
+    COLUMN = "column"  # kv_idx only: summed along the q axis, one atomic per key
+    DIAGONAL = "diagonal"  # q_idx - kv_idx only: one atomic per tile diagonal
+    GENERAL = "general"  # anything else: decided per tile at run time
+
+
+def _is_distance(node: Node) -> bool:
+    """`q_idx - kv_idx` or `kv_idx - q_idx`."""
+    if node.op is not Op.SUB:
+        return False
+    names = tuple(s.arg if s.op is Op.VAR else None for s in node.srcs)
+    return names in (("q_idx", "kv_idx"), ("kv_idx", "q_idx"))
+
+
+def reads_only_distance(nodes: tuple[Node, ...] | list[Node]) -> bool:
+    """Whether every path from q_idx or kv_idx into `nodes` passes through a `q_idx - kv_idx` (or
+    `kv_idx - q_idx`) node, so that their values are a function of the distance alone and do not
+    change when q_idx := q_idx - kv_idx and kv_idx := 0."""
+    seen: set[int] = set()
+    found = False
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        if _is_distance(n):
+            found = True
+            continue
+        if n.op is Op.VAR and n.arg in ("q_idx", "kv_idx"):
+            return False
+        stack.extend(n.srcs)
+    return found
+
+
+def scatter_strategy(load: Node) -> ScatterStrategy:
+    """The accumulation of a load's gradient, chosen from its index expressions (static)."""
+    if any(depends_on(n, "score") for n in load.srcs[1:]):
+        return ScatterStrategy.GENERAL  # an index computed from the score varies over any tile
+    axes = index_axes(load)
+    if not axes:
+        return ScatterStrategy.TILE
+    if axes == {"q_idx"}:
+        return ScatterStrategy.ROW
+    if axes == {"kv_idx"}:
+        return ScatterStrategy.COLUMN
+    if reads_only_distance(load.srcs[1:]):
+        return ScatterStrategy.DIAGONAL
+    return ScatterStrategy.GENERAL
+
+
+def _offset_and_guard(idx: list[str], p: CaptureParams) -> tuple[str, str]:
+    offset = " + ".join(f"{ix} * {s}" for ix, s in zip(idx, p.strides))
+    guards = " & ".join(f"({ix} >= 0) & ({ix} < {size})" for ix, size in zip(idx, p.sizes))
+    return offset, guards
+
+
 def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) -> list[str]:
-    """Atomic scatter-add of grad * d_load into the capture's gradient (Note [Scatter-add ...])."""
+    """Scatter-add of grad * d_load into the capture's gradient (Note [Scatter-add ...])."""
     cap: Capture = load.srcs[0].arg
     p = caps[cap.slot]
     index_nodes = load.srcs[1:]
-    axes = index_axes(load)
-    c = f"c{i}"
-    lines = [f"{c} = tl.where(live, {_times(body, d_load)}, 0.0)"]
-    uses_q, uses_kv = "q_idx" in axes, "kv_idx" in axes
-    if not uses_q and not uses_kv:
-        lines.append(f"{c} = tl.sum(tl.sum({c}, 1, keep_dims=True), 0, keep_dims=True)")
-    elif not uses_kv:
-        lines.append(f"{c} = tl.sum({c}, 1 - Q_AXIS, keep_dims=True)")
-    elif not uses_q:
-        lines.append(f"{c} = tl.sum({c}, Q_AXIS, keep_dims=True)")
-    idx = [body.name(s) for s in index_nodes]
-    if idx:
-        offset = " + ".join(f"{ix} * {s}" for ix, s in zip(idx, p.strides))
-        guards = " & ".join(f"({ix} >= 0) & ({ix} < {size})" for ix, size in zip(idx, p.sizes))
-        # Broadcast the offsets to the (possibly reduced) contribution's shape.
-        lines.append(f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)")
-        # Adding zeros gives the guard the contribution's shape (and a boolean type in Triton's
-        # interpreter too, whose `&` of a scalar and a tile yields integers).
-        lines.append(f"m{i} = (({guards}) + tl.zeros_like(o{i})) != 0")
-        mask = f", mask=m{i}"
-    else:
-        lines.append(f"o{i} = tl.zeros_like({c}).to(tl.int32)")
-        mask = ""
-    # See Note [Deterministic captured gradients] for the modes.
-    lines += [
-        "if CAPTURE_MODE == 1:",
-        f"    tl.atomic_add({p.grad_ptr} + o{i}, {c}{mask})",
-        "elif CAPTURE_MODE == 2:",
+    strategy = scatter_strategy(load)
+    c, v = f"c{i}", f"v{i}"
+    # See Note [Deterministic captured gradients] for the modes. In mode 3 every contribution is
+    # quantized before any sum, so the integer result does not depend on how it is summed.
+    lines = [
+        f"{c} = tl.where(live, {_times(body, d_load)}, 0.0)",
+        "if CAPTURE_MODE == 2:",
         f"    tl.atomic_max(capture_scales + {j}, tl.max(tl.max(tl.abs({c}), 1), 0))",
         "else:",
-        f"    q{i} = tl.floor({c} * tl.load(capture_scales + {j}) + 0.5).to(tl.int64)",
-        f"    tl.atomic_add({p.grad_ptr} + o{i}, q{i}{mask})",
+        "    if CAPTURE_MODE == 3:",
+        f"        {v} = tl.floor({c} * tl.load(capture_scales + {j}) + 0.5).to(tl.int64)",
+        "    else:",
+        f"        {v} = {c}",
     ]
-    return lines
+    idx = [body.name(s) for s in index_nodes]
+    offset, guards = _offset_and_guard(idx, p) if idx else ("0", "True")
+    if strategy in (ScatterStrategy.TILE, ScatterStrategy.ROW, ScatterStrategy.COLUMN):
+        r = f"r{i}"
+        if strategy is ScatterStrategy.TILE:
+            reduce = f"{r} = tl.sum(tl.sum({v}, 1, keep_dims=True), 0, keep_dims=True)"
+        elif strategy is ScatterStrategy.ROW:
+            reduce = f"{r} = tl.sum({v}, 1 - Q_AXIS, keep_dims=True)"
+        else:
+            reduce = f"{r} = tl.sum({v}, Q_AXIS, keep_dims=True)"
+        # Broadcast the offsets to the reduced contribution's shape. Adding zeros gives the guard
+        # that shape (and a boolean type in Triton's interpreter too, whose `&` of a scalar and a
+        # tile yields integers).
+        body_lines = [
+            reduce,
+            f"o{i} = ({offset}) + tl.zeros_like({r}).to(tl.int32)",
+            f"m{i} = (({guards}) + tl.zeros_like(o{i})) != 0",
+            f"tl.atomic_add({p.grad_ptr} + o{i}, {r}, mask=m{i})",
+        ]
+        return lines + ["    " + line for line in body_lines]
+    if strategy is ScatterStrategy.GENERAL:
+        # The offsets of the whole tile, over its live pairs only; the helper decides per tile.
+        body_lines = [
+            f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)",
+            f"m{i} = ((({guards}) + tl.zeros_like(o{i})) != 0) & live",
+            f"flexfa_scatter_tile({p.grad_ptr}, {v}, o{i}, m{i})",
+        ]
+        return lines + ["    " + line for line in body_lines]
+    # DIAGONAL: the index is a function of d = q_idx - kv_idx, so it is evaluated once per
+    # diagonal of the tile (a vector), with q_idx := d and kv_idx := 0 (reads_only_distance says
+    # that gives the same value). Equal offsets on every diagonal: one atomic of the tile's sum.
+    diag = _Body({**_VAR_PARAMS, "q_idx": f"d{i}", "kv_idx": "0"}, prefix=f"u{i}_")
+    diag.emit(list(index_nodes))
+    d_offset, d_guards = _offset_and_guard([diag.name(s) for s in index_nodes], p)
+    body_lines = [
+        f"d{i}, e{i} = flexfa_tile_distances({c}, q_idx, kv_idx, Q_AXIS)",
+        *diag.lines,
+        f"o{i} = ({d_offset}) + tl.zeros_like(d{i})",
+        f"m{i} = ((({d_guards}) + tl.zeros_like(d{i})) != 0) & e{i}",
+        f"lo{i} = tl.min(tl.where(m{i}, o{i}, 2147483647), 0)",
+        f"hi{i} = tl.max(tl.where(m{i}, o{i}, -1), 0)",
+        f"if lo{i} == hi{i}:",
+        f"    tl.atomic_add({p.grad_ptr} + hi{i}, tl.sum(tl.sum({v}, 1), 0))",
+        f"elif lo{i} < hi{i}:",
+        f"    s{i} = flexfa_diagonal_sums({v})",
+        f"    tl.atomic_add({p.grad_ptr} + o{i}, s{i}, mask=m{i} & (s{i} != 0))",
+    ]
+    return lines + ["    " + line for line in body_lines]

@@ -1,0 +1,227 @@
+"""Accumulation of captured-tensor gradients in the Triton backward (Note [Scatter-add of captured
+gradients] in flexfa/codegen/triton/emit.py): which strategy each index expression gets, and each
+strategy (and each run-time branch of the per-tile one) against the float64 reference, with float
+atomics and with `deterministic=True`. CPU runs use Triton's interpreter at tiny sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flexfa
+from flexfa.codegen.triton.emit import ScatterStrategy, emit_score_mod_grad, scatter_strategy
+from flexfa.frontend.trace import trace_score_mod
+from tests.e2e.harness import INTERPRETER_TILES, Problem, check_attention
+from tests.mods import BuiltMod
+
+_TABLE = torch.zeros(4, 8, 8)
+
+
+def _index_mods():
+    """(name, score_mod reading _TABLE, expected strategy)."""
+    t = _TABLE
+
+    def tile(score, b, h, q_idx, kv_idx):
+        return score + t[b, h, 0]
+
+    def row(score, b, h, q_idx, kv_idx):
+        return score + t[h, q_idx % 8, 1]
+
+    def column(score, b, h, q_idx, kv_idx):
+        return score * t[h, 0, kv_idx // 8]
+
+    def clamped_distance(score, b, h, q_idx, kv_idx):
+        return score + t[h, 0, torch.clamp(q_idx - kv_idx, -3, 4) + 3]
+
+    def log_buckets(score, b, h, q_idx, kv_idx):
+        d = kv_idx - q_idx
+        n = torch.abs(d).float()
+        bucket = torch.clamp((torch.log(n + 1.0) * 2).to(torch.int32), max=3)
+        return score + t[h, torch.where(d > 0, 4, 0) + bucket, 0]
+
+    def two_d_blocks(score, b, h, q_idx, kv_idx):
+        return score + t[h, q_idx // 64, kv_idx // 64]
+
+    def distance_plus_position(score, b, h, q_idx, kv_idx):
+        return score + t[h, 0, (q_idx - kv_idx + q_idx % 2) % 8]
+
+    def from_score(score, b, h, q_idx, kv_idx):
+        return score + t[h, 0, (score > 0).to(torch.int32)]
+
+    return [
+        ("tile", tile, ScatterStrategy.TILE),
+        ("from_score", from_score, ScatterStrategy.GENERAL),
+        ("row", row, ScatterStrategy.ROW),
+        ("column", column, ScatterStrategy.COLUMN),
+        ("clamped_distance", clamped_distance, ScatterStrategy.DIAGONAL),
+        ("log_buckets", log_buckets, ScatterStrategy.DIAGONAL),
+        ("two_d_blocks", two_d_blocks, ScatterStrategy.GENERAL),
+        ("distance_plus_position", distance_plus_position, ScatterStrategy.GENERAL),
+    ]
+
+
+@pytest.mark.parametrize("name, fn, expected", _index_mods(), ids=[m[0] for m in _index_mods()])
+def test_strategy_is_chosen_from_the_index_expression(name, fn, expected):
+    traced = trace_score_mod(fn)
+    grad = traced.gradient(frozenset({0}))
+    (load,) = {id(g.load): g.load for g in grad.loads}.values()
+    assert scatter_strategy(load) is expected
+    source = emit_score_mod_grad(traced, grad, "f", frozenset({0})).source
+    assert ("flexfa_diagonal_sums" in source) == (expected is ScatterStrategy.DIAGONAL), source
+    assert ("flexfa_scatter_tile" in source) == (expected is ScatterStrategy.GENERAL), source
+    if expected is ScatterStrategy.DIAGONAL:
+        # The index is evaluated once per diagonal, at q_idx = d and kv_idx = 0.
+        assert "u0_0 = d0 - 0" in source or "u0_0 = 0 - d0" in source, source
+
+
+def _table_mod(index, shape, *, scale: float = 0.5, device: str = "cpu"):
+    """A maker of `score + table[index(h, q_idx, kv_idx)]` with a learnable table."""
+
+    def make(dtype):
+        g = torch.Generator().manual_seed(3)
+        table = (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(device, dtype)
+        table.requires_grad_(True)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + table[index(h, q_idx, kv_idx)]
+
+        return BuiltMod(score_mod, (table,))
+
+    return make
+
+
+# With 16-wide tiles, each index makes flexfa_scatter_tile take one branch in the dQ kernel (rows
+# are queries): uniform tiles, two offsets per tile, one offset per row, one per pair.
+GENERAL_INDICES = {
+    "uniform_tiles": (lambda h, q, kv: (q // 16, kv // 16), (4, 4)),
+    "two_offsets": (lambda h, q, kv: (q // 8, kv // 16), (8, 4)),
+    "row_uniform": (lambda h, q, kv: (h, q % 5, kv // 16), (2, 5, 4)),
+    "per_pair": (lambda h, q, kv: (h, (q + 2 * kv) % 7), (2, 7)),
+    "clamped_distance": (lambda h, q, kv: (h, torch.clamp(q - kv, -5, 5) + 5), (2, 11)),
+    "distance_buckets": (lambda h, q, kv: (h, torch.abs(q - kv) // 6), (2, 10)),
+}
+PROBLEM = Problem(batch=1, heads_q=2, heads_kv=1, len_q=37, len_kv=45, head_dim=16, head_dim_v=16)
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", list(GENERAL_INDICES))
+def test_interpreter_against_reference(name, deterministic):
+    index, shape = GENERAL_INDICES[name]
+    options = dict(INTERPRETER_TILES)
+    check_attention(
+        PROBLEM,
+        score_mod=_table_mod(index, shape),
+        mask_mod=flexfa.masks.causal if name == "clamped_distance" else None,
+        backend="triton",
+        kernel_options=options,
+        context=f"{name} deterministic={deterministic}",
+        **({"deterministic": True} if deterministic else {}),
+    )
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_interpreter_sub_blocks(deterministic):
+    """32-wide tiles with an index constant on 16 x 16 sub-blocks, four offsets per tile that
+    neither rows nor columns share: one atomic per sub-block."""
+    wide = {key: 32 for key in INTERPRETER_TILES}
+    check_attention(
+        Problem(batch=1, heads_q=1, heads_kv=1, len_q=70, len_kv=45, head_dim=16, head_dim_v=16),
+        score_mod=_table_mod(lambda h, q, kv: (q // 16, kv // 16), (5, 3)),
+        backend="triton",
+        kernel_options=wide,
+        deterministic=deterministic,
+    )
+
+
+@pytest.mark.parametrize("name", ["row_uniform", "clamped_distance"])
+def test_interpreter_fused_dq(name):
+    """With bwd_dq="fused" the scatter runs in the dK/dV kernel, whose tile rows are keys: the
+    row-uniform index takes the column branch there, and the diagonals run the other way."""
+    index, shape = GENERAL_INDICES[name]
+    check_attention(
+        PROBLEM,
+        score_mod=_table_mod(index, shape),
+        backend="triton",
+        kernel_options={**INTERPRETER_TILES, "bwd_dq": "fused"},
+    )
+
+
+def _grads(index, shape, deterministic: bool, device: str, dtype=torch.float32, n: int = 48):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, n, 16, device=device, dtype=dtype) for _ in range(3))
+    table = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 0.5).to(device)
+    table.requires_grad_(True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[index(h, q_idx, kv_idx)]
+
+    out = flexfa.attention(
+        q, k, v, score_mod, backend="triton", deterministic=deterministic,
+        kernel_options=INTERPRETER_TILES if device == "cpu" else None,
+    )  # fmt: skip
+    return torch.autograd.grad(
+        (out.float() * torch.linspace(-1, 1, 16, device=device)).sum(), table
+    )[0]
+
+
+@pytest.mark.parametrize("name", ["two_offsets", "per_pair", "clamped_distance"])
+def test_deterministic_is_bitwise_repeatable(name):
+    index, shape = GENERAL_INDICES[name]
+    first, second = (_grads(index, shape, True, "cpu") for _ in range(2))
+    assert torch.equal(first, second), "deterministic gradients differ between runs"
+    torch.testing.assert_close(first, _grads(index, shape, False, "cpu"), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", list(GENERAL_INDICES))
+def test_gpu_against_reference(name, deterministic, dtype):
+    index, shape = GENERAL_INDICES[name]
+    p = Problem(
+        batch=2, heads_q=2, heads_kv=1, len_q=300, len_kv=333, head_dim=64, head_dim_v=64,
+        dtype=dtype,
+    )  # fmt: skip
+    big = {"uniform_tiles": (24, 24), "two_offsets": (48, 24), "row_uniform": (2, 5, 24)}
+    check_attention(
+        p,
+        score_mod=_table_mod(index, big.get(name, shape), device="cuda"),
+        mask_mod=flexfa.masks.causal,
+        backend="triton",
+        device="cuda",
+        context=f"{name} deterministic={deterministic}",
+        **({"deterministic": True} if deterministic else {}),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["two_offsets", "per_pair", "clamped_distance"])
+def test_gpu_deterministic_is_bitwise_repeatable(name):
+    index, shape = GENERAL_INDICES[name]
+    big = {"two_offsets": (48, 24)}
+    first, second = (
+        _grads(index, big.get(name, shape), True, "cuda", torch.bfloat16, 300) for _ in range(2)
+    )
+    assert torch.equal(first, second), "deterministic gradients differ between runs"
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+def test_interpreter_index_computed_from_the_score(deterministic):
+    """An index that reads the score varies over any tile: the per-tile decision, not TILE."""
+
+    def make(dtype):
+        g = torch.Generator().manual_seed(0)
+        table = torch.randn(2, 2, generator=g, dtype=torch.float64).to(dtype).requires_grad_(True)
+
+        def by_sign(score, b, h, q_idx, kv_idx):
+            return score + table[h, (score > 0).to(torch.int32)]
+
+        return BuiltMod(by_sign, (table,))
+
+    check_attention(
+        Problem(batch=1, heads_q=2, heads_kv=2, len_q=33, len_kv=21),
+        score_mod=make,
+        backend="triton",
+        kernel_options=INTERPRETER_TILES,
+        deterministic=deterministic,
+    )
