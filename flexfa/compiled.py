@@ -277,7 +277,7 @@ def _paths_for(
 # traces the mod while Dynamo traces the call and reports it as a graph break carrying flexfa's
 # message (Dynamo's `Unsupported` under fullgraph=True). Without fullgraph=True, Dynamo resumes
 # after that break, `_describe` registers nothing and `_refuse` raises the same message as a
-# RuntimeError, outside Dynamo (also where the hook could not see the mod). The fix is the
+# RuntimeError, outside Dynamo (`torch.compiler.disable`) (also where the hook could not see the mod). The fix is the
 # user's: read the captured tensor itself with traced indices (`shift[b]`, or a 0-dim `shift` as
 # it is), or compute the derived tensor before the mod and capture the result.
 def unreachable_capture(traced: TracedMod | None, inputs: tuple[int | None, ...]) -> str | None:
@@ -374,6 +374,9 @@ def _describe(
         # Note [Captured tensors torch.compile cannot reach]: not registered; the caller raises.
         problem = unreachable_capture(traced, inputs)
         if problem is not None:
+            global _refuse
+            if _refuse is None:
+                _refuse = torch.compiler.disable(_raise, recursive=True)
             return None, (), (), (), (), problem
     described = Described(
         heads=heads,
@@ -659,8 +662,8 @@ def compiled_attention(
         device_type, backend, options, bool(deterministic), bool(enable_gqa),
         score_local[0] if score_local else None, mask_local[0] if mask_local else None,
     )  # fmt: skip
-    if problem is not None:
-        _refuse(problem)
+    if problem is not None:  # Note [Captured tensors torch.compile cannot reach]
+        _refuse(problem)  # type: ignore[misc]  # set by `_describe`, outside Dynamo
     score_root = score_local[1] if score_local else score_mod
     mask_root = mask_local[1] if mask_local else _mask_root(block_mask)
     score_tensors = [follow(score_root, p) for p in score_paths]
@@ -761,12 +764,13 @@ def _check_outside_mod(vt: Any, kind: str, device: torch.device) -> None:
         )
 
 
-@functools.partial(torch.compiler.disable, recursive=True)
-def _refuse(message: str) -> None:
-    """Raise flexfa's error where `_split_hook` could not (a graph break there resumes after the
-    hook, and without fullgraph=True the resumed code reaches here): run outside Dynamo, so that
-    the error is flexfa's own, not wrapped as an internal Dynamo error."""
+def _raise(message: str) -> None:
     raise RuntimeError(message)
+
+
+# `_raise` as run outside Dynamo (`torch.compiler.disable`), made by `_describe` when it first
+# refuses a call: disabling a function imports Dynamo (Note [Marked constant without Dynamo]).
+_refuse: Callable[[str], None] | None = None
 
 
 def _python_value(vt: Any) -> Any:
