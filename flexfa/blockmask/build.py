@@ -190,6 +190,45 @@ def classify(mask: TracedMod, grid: TileGrid, *, analysis: bool = True) -> Class
     return Classification(states, analytic, d.witnessed, d.refined, d.evaluated)
 
 
+# Up to this many pairs, `column_states` evaluates its tiles exactly instead of analyzing them.
+_EXACT_COLUMN_PAIRS = 1 << 16
+
+
+def column_states(mask: TracedMod, grid: TileGrid, j: int) -> torch.Tensor:
+    """The states of the tiles of kv-block column `j` alone, int8 [batch, heads, q-blocks]: the
+    analysis of those tiles, then `decide` for what it leaves (Note [Block masks for growing key
+    lengths] in flexfa/blockmask/bind.py). O(batch * heads * q-blocks) tiles, not the grid's."""
+    dev = grid.device
+    batch, heads, nq, _ = grid.shape
+    b, h, i = (
+        t.reshape(-1)
+        for t in torch.meshgrid(
+            torch.arange(batch, device=dev),
+            torch.arange(heads, device=dev),
+            torch.arange(nq, device=dev),
+            indexing="ij",
+        )
+    )
+    tiles = TileList(b, h, i, torch.full_like(i, j))
+    if len(tiles) * grid.block_size.q * grid.block_size.kv <= _EXACT_COLUMN_PAIRS:
+        # A decode step's few rows: evaluating the pairs costs less than the analysis's set-up.
+        return _exact_tiles(mask, grid, tiles).to(torch.int8).view(batch, heads, nq)
+    analyzer = Analyzer(mask, grid)
+    result = analyzer.run(TileSet.of_tiles(grid, tiles))
+    column = result.partial.to(torch.int8) * int(TileState.PARTIAL)
+    column.masked_fill_(result.full, int(TileState.FULL))
+    open_ = result.undecided
+    if bool(open_.any()):
+        # `decide` writes into a [B, H, nq, nkv] grid; only this column of it is read back.
+        states = torch.zeros(grid.shape, dtype=torch.int8, device=dev)
+        states[..., j] = column.view(batch, heads, nq)
+        risky = torch.zeros(grid.shape, dtype=torch.bool, device=dev)
+        risky[..., j] = result.may_read_out_of_bounds.view(batch, heads, nq)
+        decide(mask, grid, states, _take(tiles, open_), risky, analyzer)
+        return states[..., j].contiguous()
+    return column.view(batch, heads, nq)
+
+
 # Note [Block mask builders]
 # A mask_mod that knows its own structure better than the analysis can carry a builder as its
 # attribute `__flexfa_block_mask__(traced, grid) -> BlockMask | None`; `create_block_mask` (and so
