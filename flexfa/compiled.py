@@ -276,10 +276,12 @@ def _paths_for(
 # mods made outside the compiled region as for local ones (`check_captures`): `_split_hook`
 # traces the mod while Dynamo traces the call and reports it as a graph break carrying flexfa's
 # message (Dynamo's `Unsupported` under fullgraph=True). Without fullgraph=True, Dynamo resumes
-# after that break, `_describe` registers nothing and `_refuse` raises the same message as a
-# RuntimeError, outside Dynamo (`torch.compiler.disable`) (also where the hook could not see the mod). The fix is the
-# user's: read the captured tensor itself with traced indices (`shift[b]`, or a 0-dim `shift` as
-# it is), or compute the derived tensor before the mod and capture the result.
+# after that break, `_describe` registers nothing, and `_refuse` (`torch.compiler.disable`d, so
+# not wrapped as an internal Dynamo error) raises the same message as a RuntimeError; also where
+# the hook could not see the mod. A mod flexfa cannot trace takes the same way, with eager's
+# ModTraceError. The fix is the user's: read the captured tensor itself with traced indices
+# (`shift[b]`, or a 0-dim `shift` as it is), or compute the derived tensor before the mod and
+# capture the result.
 def unreachable_capture(traced: TracedMod | None, inputs: tuple[int | None, ...]) -> str | None:
     """flexfa's message for the first tensor of `traced` that has no path (None in `inputs`), or
     None when every captured tensor has one."""
@@ -354,8 +356,9 @@ def _describe(
     `block_mask` (Note [Local mods under torch.compile]); their paths start at their roots.
 
     Returns (key, paths to the score_mod's tensors, which input each of its slots reads, paths to
-    the mask_mod's tensors, lifted scalars, None), or (None, ..., flexfa's message) where a mod
-    reads a tensor without a path (Note [Captured tensors torch.compile cannot reach])."""
+    the mask_mod's tensors, lifted scalars, None), or (None, ..., (flexfa's message, whether the
+    mod was traced)) where a mod cannot be traced or reads a tensor without a path (Note
+    [Captured tensors torch.compile cannot reach])."""
     device = torch.device(device_type)
     local_score = local_mods.take(score_local) if score_local is not None else None
     local_mask = local_mods.take(mask_local) if mask_local is not None else None
@@ -363,21 +366,21 @@ def _describe(
         score_mod = local_score.fn
     if local_mask is not None:
         block_mask = local_mask.fn
-    score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
+    mask_fn, block_size = _mask_parts(block_mask)
+    try:
+        score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
+        mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
+    except ModTraceError as e:  # reported by the hook already under fullgraph=True
+        return _refusal(str(e), traced=False)
     if score is not None and score.is_identity:
         score = None
-    mask_fn, block_size = _mask_parts(block_mask)
-    mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
     score_paths, score_inputs = _paths_for(score, score_mod, local_score)  # none for a bound mod
     mask_paths, mask_inputs = _paths_for(mask, mask_fn, local_mask)
     for traced, inputs in ((score, score_inputs), (mask, mask_inputs)):
         # Note [Captured tensors torch.compile cannot reach]: not registered; the caller raises.
         problem = unreachable_capture(traced, inputs)
         if problem is not None:
-            global _refuse
-            if _refuse is None:
-                _refuse = torch.compiler.disable(_raise, recursive=True)
-            return None, (), (), (), (), problem
+            return _refusal(problem, traced=True)
     described = Described(
         heads=heads,
         score=score,
@@ -663,7 +666,7 @@ def compiled_attention(
         score_local[0] if score_local else None, mask_local[0] if mask_local else None,
     )  # fmt: skip
     if problem is not None:  # Note [Captured tensors torch.compile cannot reach]
-        _refuse(problem)  # type: ignore[misc]  # set by `_describe`, outside Dynamo
+        _refuse(*problem)  # type: ignore[misc]  # set by `_describe`, outside Dynamo
     score_root = score_local[1] if score_local else score_mod
     mask_root = mask_local[1] if mask_local else _mask_root(block_mask)
     score_tensors = [follow(score_root, p) for p in score_paths]
@@ -764,13 +767,23 @@ def _check_outside_mod(vt: Any, kind: str, device: torch.device) -> None:
         )
 
 
-def _raise(message: str) -> None:
-    raise RuntimeError(message)
+def _raise(message: str, traced: bool) -> None:
+    """flexfa's error for a call `_describe` refused: a mod that reads a tensor without a path
+    (`traced`), or one that cannot be traced (ModTraceError, as in eager)."""
+    raise RuntimeError(message) if traced else ModTraceError(message)
 
 
 # `_raise` as run outside Dynamo (`torch.compiler.disable`), made by `_describe` when it first
 # refuses a call: disabling a function imports Dynamo (Note [Marked constant without Dynamo]).
-_refuse: Callable[[str], None] | None = None
+_refuse: Callable[[str, bool], None] | None = None
+
+
+def _refusal(message: str, traced: bool) -> tuple:
+    """What `_describe` returns for a call it refuses: no key, and the arguments of `_refuse`."""
+    global _refuse
+    if _refuse is None:
+        _refuse = torch.compiler.disable(_raise, recursive=True)
+    return None, (), (), (), (), (message, traced)
 
 
 def _python_value(vt: Any) -> Any:

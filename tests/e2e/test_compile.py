@@ -422,6 +422,11 @@ def test_an_untraceable_mod_made_outside_gives_flexfas_error_under_fullgraph():
     message = str(info.value)
     assert str(eager.value) in message, message  # the mod's name and the fix, as in eager
     assert "InternalTorchDynamoError" not in message, message
+    # Without fullgraph, eager's own error (not wrapped as an internal Dynamo error).
+    torch._dynamo.reset()
+    with pytest.raises(flexfa.ModTraceError) as info:
+        torch.compile(f, backend="eager")(q)
+    assert str(info.value) == str(eager.value)
 
 
 def _window(b, h, q_idx, kv_idx):
