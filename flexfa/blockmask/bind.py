@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
-from flexfa.blockmask.build import column_states, create_block_mask
+from flexfa.blockmask.build import column_states, create_block_mask, grown_column
 from flexfa.blockmask.grid import TileGrid
 from flexfa.frontend.trace import TracedMod, trace_mask_mod
 from flexfa.persist import persistent
@@ -74,8 +74,10 @@ def cached_block_mask(
 # at both lengths ((j + 1) * block_kv <= both) has the same pairs, so the same states. At the
 # same number of kv blocks only the last column can differ. So the cache also keeps, per number
 # of kv blocks (the key without Lkv), the last BlockMask built and the states of its last column;
-# a new length classifies that column alone (`column_states`, O(B * H * q-blocks) tiles) and,
-# where its states are the kept ones, the block lists are those of the kept BlockMask: the new
+# a new length classifies that column alone (`column_states`, O(B * H * q-blocks) tiles; for a
+# longer length, few new pairs, as in decode, `grown_column` evaluates the new keys' pairs only,
+# and updates the kept BlockMask's column, read from its lists) and, where its states are the
+# kept ones, the block lists are those of the kept BlockMask: the new
 # one is it with the new kv_len (the list tensors shared, bit for bit what a build gives, since
 # the lists are a function of the states). Otherwise (a column that changed, a new number of kv
 # blocks: once every block_kv steps of a decode loop) it is built in full. A mask that reads none
@@ -107,8 +109,11 @@ def _same_tiles(
     uniform = not traced.variables  # the same state on every tile, at every length
     if kept is not None:
         old, old_column = kept
+        grown = Lkv > old.kv_len and _small(old, Lkv)
         if uniform:
             column = None
+        elif grown:  # only the new keys' pairs evaluated
+            old_column, column = grown_column(traced, old, Lkv)
         else:
             if old_column is None:
                 old_column = _last_column(
@@ -126,6 +131,14 @@ def _same_tiles(
         while len(_by_tiles) > _CACHE_SIZE:
             _by_tiles.popitem(last=False)
     return bm
+
+
+def _small(old: BlockMask, Lkv: int) -> bool:
+    """Whether the pairs of the new keys are few enough to evaluate (`grown_column`)."""
+    return old.batch * old.heads * old.q_len * (Lkv - old.kv_len) <= _NEW_PAIRS
+
+
+_NEW_PAIRS = 1 << 16
 
 
 def _build(

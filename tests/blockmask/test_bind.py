@@ -121,14 +121,17 @@ def _doc_mask(H):
 @pytest.mark.parametrize("Lq", [1, 5, 16, 37])
 def test_growing_key_lengths_give_the_lists_of_a_build(monkeypatch, exact_column, Lq) -> None:
     """Note [Block masks for growing key lengths]: at every new length, bit for bit the block
-    lists that a build for that length gives, with the last column classified exactly or by the
-    analysis, and across block boundaries."""
+    lists that a build for that length gives, from the new keys' pairs or the last column
+    (classified exactly or by the analysis), and across block boundaries."""
     if not exact_column:
         monkeypatch.setattr(build, "_EXACT_COLUMN_PAIRS", 0)
     H, size = 3, BlockSize(8, 8)
     for mask in (None, fm.causal, fm.sliding_window(6), fm.prefix_lm(10), _doc_mask(H)):
         traced = flexfa.trace_mask_mod(mask if mask is not None else bind._noop)
-        for Lkv in range(14, 34):
+        # Growing (new keys' pairs evaluated), then shrinking (the last column classified).
+        for Lkv in [*range(14, 34), *range(33, 13, -1)]:
+            if Lkv == 33:
+                bind._cache.clear()  # keeps the BlockMasks kept per number of kv blocks
             got = bind.cached_block_mask(traced, 2, H, Lq, Lkv, _CPU, size)
             want = flexfa.create_block_mask(traced, 2, H, Lq, Lkv, device=_CPU, BLOCK_SIZE=8)
             assert (got.q_len, got.kv_len, got.block_size) == (Lq, Lkv, size)
