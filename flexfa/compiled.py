@@ -55,7 +55,6 @@ import hashlib
 import sys
 import threading
 import types
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -266,6 +265,43 @@ def _paths_for(
     return tuple(paths), tuple(inputs)
 
 
+# Note [Captured tensors torch.compile cannot reach]
+# The ops read a mod's captured tensors from the paths `_describe` found, so the graph passes
+# each one in at every call. A tensor with no path (one the mod computes itself with torch
+# operations on a captured tensor: `shift[0]`, `table * 2`, `ids.long()`; or one it reaches
+# through keyword-only defaults) has no place in the graph: all the ops could use is the tensor
+# the trace saw, a constant frozen at trace time. A decode loop whose mod read `positions[0]` of
+# a tensor made anew at each step then ran every step with the first step's value, and Dynamo,
+# which never saw the read, had no guard to compile again. So such a capture is an error, for
+# mods made outside the compiled region as for local ones (`check_captures`): `_split_hook`
+# traces the mod while Dynamo traces the call and reports it as a graph break carrying flexfa's
+# message (Dynamo's `Unsupported` under fullgraph=True). Without fullgraph=True, Dynamo resumes
+# after that break, `_describe` registers nothing, and `_refuse` (`torch.compiler.disable`d, so
+# not wrapped as an internal Dynamo error) raises the same message as a RuntimeError; also where
+# the hook could not see the mod. A mod flexfa cannot trace takes the same way, with eager's
+# ModTraceError. The fix is the user's: read the captured tensor itself with traced indices
+# (`shift[b]`, or a 0-dim `shift` as it is), or compute the derived tensor before the mod and
+# capture the result.
+def unreachable_capture(traced: TracedMod | None, inputs: tuple[int | None, ...]) -> str | None:
+    """flexfa's message for the first tensor of `traced` that has no path (None in `inputs`), or
+    None when every captured tensor has one."""
+    if traced is None:
+        return None
+    for cap, i in zip(traced.captures, inputs):
+        if i is None:
+            return (
+                f"flexfa: the {traced.kind} {traced.name!r} reads a tensor {cap.name!r} that "
+                "torch.compile cannot reach from the mod (by a closure cell, global, default, "
+                "attribute or item): a tensor the mod computes itself from a captured tensor "
+                "with torch operations (such as `shift[0]`, `table * 2` or `ids.long()` inside "
+                "the mod). The compiled graph would freeze its value at trace time. Read the "
+                "captured tensor itself in the mod, indexed with traced values (`shift[b]`, or a "
+                "0-dim tensor as it is), or compute that tensor before defining the mod and "
+                "capture the result (a closure variable, global, default or attribute)."
+            )
+    return None
+
+
 def _mask_parts(block_mask: Any) -> tuple[Callable[..., Any] | None, BlockSize]:
     """The mask_mod and block size a compiled call builds its BlockMask from."""
     if block_mask is None:
@@ -319,8 +355,10 @@ def _describe(
     `score_local`, `mask_local`: the tokens of local mods, passed instead of `score_mod` and
     `block_mask` (Note [Local mods under torch.compile]); their paths start at their roots.
 
-    Returns (key, paths to the score_mod's tensors, which input each of its slots reads (None: a
-    constant), paths to the mask_mod's tensors, lifted scalars)."""
+    Returns (key, paths to the score_mod's tensors, which input each of its slots reads, paths to
+    the mask_mod's tensors, lifted scalars, None), or (None, ..., (flexfa's message, whether the
+    mod was traced)) where a mod cannot be traced or reads a tensor without a path (Note
+    [Captured tensors torch.compile cannot reach])."""
     device = torch.device(device_type)
     local_score = local_mods.take(score_local) if score_local is not None else None
     local_mask = local_mods.take(mask_local) if mask_local is not None else None
@@ -328,25 +366,21 @@ def _describe(
         score_mod = local_score.fn
     if local_mask is not None:
         block_mask = local_mask.fn
-    score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
+    mask_fn, block_size = _mask_parts(block_mask)
+    try:
+        score = trace_score_mod(score_mod, device=device) if score_mod is not None else None
+        mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
+    except ModTraceError as e:  # reported by the hook already under fullgraph=True
+        return _refusal(str(e), traced=False)
     if score is not None and score.is_identity:
         score = None
-    mask_fn, block_size = _mask_parts(block_mask)
-    mask = trace_mask_mod(mask_fn, device=device) if mask_fn is not None else None
     score_paths, score_inputs = _paths_for(score, score_mod, local_score)  # none for a bound mod
     mask_paths, mask_inputs = _paths_for(mask, mask_fn, local_mask)
     for traced, inputs in ((score, score_inputs), (mask, mask_inputs)):
-        for cap, t, i in zip(
-            traced.captures if traced else (), traced.tensors if traced else (), inputs
-        ):
-            if i is None and t.requires_grad:
-                warnings.warn(
-                    f"flexfa: {traced.kind} {traced.name!r} captures {cap.name!r}, which "
-                    "torch.compile cannot reach from the mod (not a closure cell, global, "
-                    "default or attribute); it is a constant of the compiled graph and gets no "
-                    "gradient there",
-                    stacklevel=2,
-                )
+        # Note [Captured tensors torch.compile cannot reach]: not registered; the caller raises.
+        problem = unreachable_capture(traced, inputs)
+        if problem is not None:
+            return _refusal(problem, traced=True)
     described = Described(
         heads=heads,
         score=score,
@@ -395,7 +429,7 @@ def _describe(
     with _lock:
         _registry[key] = described
     scalars = score.scalar_values if score is not None else ()
-    return key, score_paths, score_inputs, mask_paths, scalars
+    return key, score_paths, score_inputs, mask_paths, scalars, None
 
 
 def _lookup(key: str) -> Described:
@@ -626,11 +660,13 @@ def compiled_attention(
     device_type = q.device.type
     score_local = local_mod(score_mod, "score_mod", device_type) if score_mod is not None else None
     mask_local = local_mod(block_mask, "mask_mod", device_type) if block_mask is not None else None
-    key, score_paths, score_inputs, mask_paths, scalars = _describe(
+    key, score_paths, score_inputs, mask_paths, scalars, problem = _describe(
         None if score_local else score_mod, heads, None if mask_local else block_mask,
         device_type, backend, options, bool(deterministic), bool(enable_gqa),
         score_local[0] if score_local else None, mask_local[0] if mask_local else None,
     )  # fmt: skip
+    if problem is not None:  # Note [Captured tensors torch.compile cannot reach]
+        _refuse(*problem)  # type: ignore[misc]  # set by `_describe`, outside Dynamo
     score_root = score_local[1] if score_local else score_mod
     mask_root = mask_local[1] if mask_local else _mask_root(block_mask)
     score_tensors = [follow(score_root, p) for p in score_paths]
@@ -664,10 +700,11 @@ def _split_hook(ctx: Any) -> None:
 
     tx = ctx._i_will_not_complain_if_bc_breaks_InstructionTranslator()
     fn = ctx.get_local("fn")._i_will_not_complain_if_bc_breaks_VariableTracker()
-    if not local_mods.is_local(fn):
-        return
     kind = ctx.get_local("kind").as_python_constant()
     device = torch.device(ctx.get_local("device_type").as_python_constant())
+    if not local_mods.is_local(fn):
+        _check_outside_mod(fn, kind, device)
+        return
     split = None
     try:
         split = local_mods.split(tx, fn, kind)
@@ -692,6 +729,76 @@ def _split_hook(ctx: Any) -> None:
     tx.symbolic_locals["split"] = dv.TupleVariable(
         [dv.ConstantVariable.create(split.token), dv.TupleVariable(list(split.roots))]
     )
+
+
+def _check_outside_mod(vt: Any, kind: str, device: torch.device) -> None:
+    """Run by `_split_hook` for a mod made outside the compiled region (Dynamo's variable `vt`):
+    trace it here, so that a mod flexfa cannot trace, or one that reads a tensor torch.compile
+    cannot reach (Note [Captured tensors torch.compile cannot reach]), is a graph break with
+    flexfa's message; raised from `_describe`, it would reach the user wrapped as an internal
+    Dynamo error. `_describe` then finds the trace in the trace cache."""
+    from torch._dynamo.exc import unimplemented
+
+    value = _python_value(vt)
+    if value is None or isinstance(value, HeadsDependentMod):
+        return
+    try:
+        fn = _mask_parts(value)[0] if kind == "mask_mod" else value
+    except (TypeError, NotImplementedError):
+        return  # `_describe` raises these, naming the argument
+    if fn is None:
+        return
+    trace = trace_score_mod if kind == "score_mod" else trace_mask_mod
+    try:
+        traced = trace(fn, device=device)
+    except ModTraceError as e:
+        message, what = str(e), "traced"
+    else:
+        if kind == "score_mod" and traced.is_identity:
+            return
+        message, what = unreachable_capture(traced, _paths_for(traced, fn)[1]), "captured"
+    if message is not None:
+        unimplemented(
+            gb_type=f"flexfa: a mod cannot be {what} under torch.compile",
+            context=kind,
+            explanation=message,
+            hints=[],
+            log_warning=True,
+        )
+
+
+def _raise(message: str, traced: bool) -> None:
+    """flexfa's error for a call `_describe` refused: a mod that reads a tensor without a path
+    (`traced`), or one that cannot be traced (ModTraceError, as in eager)."""
+    raise RuntimeError(message) if traced else ModTraceError(message)
+
+
+# `_raise` as run outside Dynamo (`torch.compiler.disable`), made by `_describe` when it first
+# refuses a call: disabling a function imports Dynamo (Note [Marked constant without Dynamo]).
+_refuse: Callable[[str, bool], None] | None = None
+
+
+def _refusal(message: str, traced: bool) -> tuple:
+    """What `_describe` returns for a call it refuses: no key, and the arguments of `_refuse`."""
+    global _refuse
+    if _refuse is None:
+        _refuse = torch.compiler.disable(_raise, recursive=True)
+    return None, (), (), (), (), (message, traced)
+
+
+def _python_value(vt: Any) -> Any:
+    """The Python object behind Dynamo's variable for a mod made outside the compiled region (a
+    function, a module, a BlockMask), or None where Dynamo does not keep one."""
+    vt = vt.realize()
+    try:
+        return vt.as_python_constant()
+    except Exception:
+        pass
+    for attr in ("value", "fn"):
+        obj = getattr(vt, attr, None)
+        if obj is not None:
+            return obj
+    return None
 
 
 def _check_same_dtype(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

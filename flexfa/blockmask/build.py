@@ -20,8 +20,8 @@ from collections.abc import Callable
 import torch
 
 from flexfa.blockmask.analysis import Analyzer
-from flexfa.blockmask.block_mask import BlockMask, BlockSize, TileState
-from flexfa.blockmask.exact import classify_exact, classify_tiles
+from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
+from flexfa.blockmask.exact import classify_exact, classify_tiles, evaluate_mask, index_grids
 from flexfa.blockmask.grid import TileGrid, TileList, TileSet
 from flexfa.blockmask.witness import prove_partial
 from flexfa.config import config
@@ -188,6 +188,84 @@ def classify(mask: TracedMod, grid: TileGrid, *, analysis: bool = True) -> Class
     d = decide(mask, grid, states, pending, result.may_read_out_of_bounds, analyzer)
     analytic = grid.num_tiles - len(pending)
     return Classification(states, analytic, d.witnessed, d.refined, d.evaluated)
+
+
+# Up to this many pairs, `column_states` evaluates its tiles exactly instead of analyzing them.
+_EXACT_COLUMN_PAIRS = 1 << 16
+
+
+def column_states(mask: TracedMod, grid: TileGrid, j: int) -> torch.Tensor:
+    """The states of the tiles of kv-block column `j` alone, int8 [batch, heads, q-blocks]: the
+    analysis of those tiles, then `decide` for what it leaves (Note [Block masks for growing key
+    lengths] in flexfa/blockmask/bind.py). O(batch * heads * q-blocks) tiles, not the grid's."""
+    dev = grid.device
+    batch, heads, nq, _ = grid.shape
+    b, h, i = (
+        t.reshape(-1)
+        for t in torch.meshgrid(
+            torch.arange(batch, device=dev),
+            torch.arange(heads, device=dev),
+            torch.arange(nq, device=dev),
+            indexing="ij",
+        )
+    )
+    tiles = TileList(b, h, i, torch.full_like(i, j))
+    if len(tiles) * grid.block_size.q * grid.block_size.kv <= _EXACT_COLUMN_PAIRS:
+        # A decode step's few rows: evaluating the pairs costs less than the analysis's set-up.
+        return _exact_tiles(mask, grid, tiles).to(torch.int8).view(batch, heads, nq)
+    analyzer = Analyzer(mask, grid)
+    result = analyzer.run(TileSet.of_tiles(grid, tiles))
+    column = result.partial.to(torch.int8) * int(TileState.PARTIAL)
+    column.masked_fill_(result.full, int(TileState.FULL))
+    open_ = result.undecided
+    if bool(open_.any()):
+        # `decide` writes into a [B, H, nq, nkv] grid; only this column of it is read back.
+        states = torch.zeros(grid.shape, dtype=torch.int8, device=dev)
+        states[..., j] = column.view(batch, heads, nq)
+        risky = torch.zeros(grid.shape, dtype=torch.bool, device=dev)
+        risky[..., j] = result.may_read_out_of_bounds.view(batch, heads, nq)
+        decide(mask, grid, states, _take(tiles, open_), risky, analyzer)
+        return states[..., j].contiguous()
+    return column.view(batch, heads, nq)
+
+
+def grown_column(mask: TracedMod, old: BlockMask, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The states of the last kv-block column of `old` (int8 [batch, heads, q-blocks]) at its own
+    key length and at `kv_len`, a longer one with the same kv blocks: only the pairs of keys
+    `old.kv_len .. kv_len - 1` are new, so a full tile stays full where they are all allowed, an
+    empty one empty where none is, and a partial one stays partial (Note [Block masks for growing
+    key lengths] in flexfa/blockmask/bind.py). O(B * H * Lq * new keys) pairs evaluated."""
+    batch, heads, nq, bq = old.batch, old.heads, old.num_q_blocks, old.block_size.q
+    device = old.device
+    before = _last_column(old)
+    rows = torch.arange(nq * bq, device=device)
+    valid = (rows < old.q_len).view(-1, 1)
+    rows = rows.clamp(max=old.q_len - 1)
+    cols = torch.arange(old.kv_len, kv_len, device=device)
+    env = index_grids(batch, heads, rows, cols, device)
+    allowed = evaluate_mask(mask, env).expand(batch, heads, nq * bq, len(cols))
+    # Padding rows count as allowed for "all" and as not allowed for "any".
+    shape = (batch, heads, nq, bq * len(cols))
+    any_ = (allowed & valid).reshape(shape).any(-1)
+    all_ = (allowed | ~valid).reshape(shape).all(-1)
+    after = before.clone()
+    after[(before == int(TileState.FULL)) & ~all_] = int(TileState.PARTIAL)
+    after[(before == int(TileState.EMPTY)) & any_] = int(TileState.PARTIAL)
+    return before, after
+
+
+def _last_column(bm: BlockMask) -> torch.Tensor:
+    """The states of the last kv-block column from the kv-side lists: listed ascending, its tile
+    is a row's last entry where listed at all."""
+    j = bm.num_kv_blocks - 1
+
+    def listed(bl: BlockList) -> torch.Tensor:
+        count = bl.count.long()
+        last = bl.index.gather(-1, (count - 1).clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        return (count > 0) & (last == j)
+
+    column = listed(bm.kv_partial).to(torch.int8) * int(TileState.PARTIAL)
+    return column.masked_fill_(listed(bm.kv_full), int(TileState.FULL))
 
 
 # Note [Block mask builders]

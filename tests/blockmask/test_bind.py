@@ -7,7 +7,8 @@ import torch
 
 import flexfa
 from flexfa import masks as fm
-from flexfa.blockmask import bind
+from flexfa.blockmask import bind, build
+from flexfa.blockmask.block_mask import BlockSize
 from flexfa.reference import reference_attention
 from tests.blockmask import oracle
 
@@ -100,3 +101,49 @@ def test_cache_is_bounded() -> None:
     for w in range(bind._CACHE_SIZE + 10):
         _resolve(fm.sliding_window(w + 1), Lq=16, Lkv=16)
     assert len(bind._cache) == bind._CACHE_SIZE
+
+
+def _lists(bm):
+    return [(bl.count, bl.index) for bl in (bm.kv_partial, bm.kv_full, bm.q_partial, bm.q_full)]
+
+
+def _doc_mask(H):
+    # Documents whose bounds differ per head, so the mask reads h and a captured tensor.
+    doc = (torch.arange(64).view(1, -1) // torch.arange(5, 5 + H).view(-1, 1)).to(torch.int32)
+
+    def per_head_docs(b, h, q_idx, kv_idx):
+        return (doc[h, q_idx] == doc[h, kv_idx]) & (q_idx >= kv_idx - 3)
+
+    return per_head_docs
+
+
+@pytest.mark.parametrize("exact_column", [True, False])
+@pytest.mark.parametrize("Lq", [1, 5, 16, 37])
+def test_growing_key_lengths_give_the_lists_of_a_build(monkeypatch, exact_column, Lq) -> None:
+    """Note [Block masks for growing key lengths]: at every new length, bit for bit the block
+    lists that a build for that length gives, from the new keys' pairs or the last column
+    (classified exactly or by the analysis), and across block boundaries."""
+    if not exact_column:
+        monkeypatch.setattr(build, "_EXACT_COLUMN_PAIRS", 0)
+    H, size = 3, BlockSize(8, 8)
+    for mask in (None, fm.causal, fm.sliding_window(6), fm.prefix_lm(10), _doc_mask(H)):
+        traced = flexfa.trace_mask_mod(mask if mask is not None else bind._noop)
+        # Growing (new keys' pairs evaluated), then shrinking (the last column classified).
+        for Lkv in [*range(14, 34), *range(33, 13, -1)]:
+            if Lkv == 33:
+                bind._cache.clear()  # keeps the BlockMasks kept per number of kv blocks
+            got = bind.cached_block_mask(traced, 2, H, Lq, Lkv, _CPU, size)
+            want = flexfa.create_block_mask(traced, 2, H, Lq, Lkv, device=_CPU, BLOCK_SIZE=8)
+            assert (got.q_len, got.kv_len, got.block_size) == (Lq, Lkv, size)
+            for (gc, gi), (wc, wi) in zip(_lists(got), _lists(want)):
+                assert torch.equal(gc, wc), (traced.name, Lq, Lkv)
+                assert torch.equal(gi, wi), (traced.name, Lq, Lkv)
+
+
+def test_a_new_length_with_the_same_tiles_shares_the_lists() -> None:
+    traced = flexfa.trace_mask_mod(fm.causal)
+    a = bind.cached_block_mask(traced, 1, 1, 16, 300, _CPU)
+    b = bind.cached_block_mask(traced, 1, 1, 16, 301, _CPU)  # the same 3 kv blocks
+    assert b.kv_len == 301 and b.kv_partial.index is a.kv_partial.index
+    c = bind.cached_block_mask(traced, 1, 1, 16, 385, _CPU)  # a fourth kv block: built
+    assert c.num_kv_blocks == 4 and c.kv_partial.index is not a.kv_partial.index

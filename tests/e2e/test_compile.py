@@ -372,3 +372,71 @@ def test_gradients_have_the_strides_of_their_inputs():
     want = torch.autograd.grad(f(xq, xkv).square().sum(), (xq, xkv))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+_STATE = {"shift": torch.tensor([0])}
+
+
+def _before_shift(score, b, h, q_idx, kv_idx):
+    # `_STATE["shift"][0]` is a tensor the mod computes itself: torch.compile cannot reach it.
+    return torch.where(kv_idx < _STATE["shift"][0], score, score - 2.0)
+
+
+def _shifted_attention(q, k, v):
+    return flexfa.attention(q, k, v, score_mod=_before_shift, backend="tiled")
+
+
+def test_a_tensor_computed_in_a_mod_made_outside_is_an_error_not_a_constant():
+    """Note [Captured tensors torch.compile cannot reach]: the graph used to freeze `shift[0]` at
+    trace time, so a new `shift` at each step went unseen (wrong results from the second)."""
+    torch.manual_seed(5)
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 7, 16), torch.randn(1, 2, 7, 16)
+    compiled = torch.compile(_shifted_attention, fullgraph=True, backend="eager")
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        compiled(q, k, v)
+    message = str(info.value)
+    assert "flexfa: the score_mod '_before_shift' reads a tensor" in message, message
+    assert "would freeze its value" in message and "capture the result" in message, message
+    # Without fullgraph, the same message as flexfa's own RuntimeError.
+    torch._dynamo.reset()
+    with pytest.raises(RuntimeError, match="would freeze its value") as info:
+        torch.compile(_shifted_attention, backend="eager")(q, k, v)
+    assert not isinstance(info.value, torch._dynamo.exc.TorchDynamoException), info.value
+
+
+def _branchy(score, b, h, q_idx, kv_idx):
+    if q_idx > kv_idx:  # a Python `if` on a traced value: flexfa cannot trace it
+        return score
+    return score * 2
+
+
+def test_an_untraceable_mod_made_outside_gives_flexfas_error_under_fullgraph():
+    def f(q):
+        return flexfa.attention(q, q, q, score_mod=_branchy, backend="tiled")
+
+    q = torch.randn(1, 2, 9, 16)
+    with pytest.raises(flexfa.ModTraceError) as eager:
+        f(q)
+    with pytest.raises(torch._dynamo.exc.Unsupported) as info:
+        torch.compile(f, fullgraph=True, backend="eager")(q)
+    message = str(info.value)
+    assert str(eager.value) in message, message  # the mod's name and the fix, as in eager
+    assert "InternalTorchDynamoError" not in message, message
+    # Without fullgraph, eager's own error (not wrapped as an internal Dynamo error).
+    torch._dynamo.reset()
+    with pytest.raises(flexfa.ModTraceError) as info:
+        torch.compile(f, backend="eager")(q)
+    assert str(info.value) == str(eager.value)
+
+
+def _window(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) if q_idx - kv_idx < 4 else False  # Python `if` on a traced value
+
+
+def test_an_untraceable_mask_mod_made_outside_gives_flexfas_error_under_fullgraph():
+    def f(q):
+        return flexfa.attention(q, q, q, block_mask=_window, backend="tiled")
+
+    q = torch.randn(1, 2, 9, 16)
+    with pytest.raises(torch._dynamo.exc.Unsupported, match=r"mask_mod '_window'"):
+        torch.compile(f, fullgraph=True, backend="eager")(q)
