@@ -135,7 +135,7 @@ class ArgStandIn:
 # Triton specializes on, its dtype and the alignment of its address, so `_submit` hands the pool
 # `ArgStandIn`s (Triton takes any object with `dtype` and `data_ptr()` as a pointer argument, as
 # its own `MockTensor`), and the tensors are freed when their caller lets them go. On the H200
-# (Triton 3.6) `python bench/prewarm_check.py` found every backward kernel compiled once, on the
+# (Triton 3.6) a one-off check (bench/prewarm_check.py, in git history) found every backward kernel compiled once, on the
 # pool, and none compiled again at its launch: the stand-ins give the launches' specializations.
 
 
