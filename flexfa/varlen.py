@@ -38,7 +38,7 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # analysis it runs. The builder answers only for the tensors of its own packing: a trace with
 # other tensors bound (torch.compile rebinds a described trace's captures) takes the general path.
 # On a GPU that builder is one generated kernel (Note [Packed block masks in one kernel] in
-# flexfa/blockmask/packed_fused.py).
+# flexfa/codegen/triton/blockmask/packed_fused.py).
 #
 # Note [Packed positions in one kernel]
 # seq and pos of a new batch took five torch operations (repeat_interleave, which is more than one
@@ -142,9 +142,9 @@ def _write_positions(cu: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, tot
     """Write the sequence and position of every token, int32, without synchronizing (`total` is
     known): one kernel where the fused block-mask kernels run (Note [Packed positions in one
     kernel])."""
-    from flexfa.blockmask.build import _use_fused
+    from flexfa.blockmask.build import use_fused_kernel
 
-    if _use_fused(cu.device):
+    if use_fused_kernel(cu.device):
         from flexfa.codegen.triton import packing as kernels
 
         if kernels.positions(cu, seq, pos, total):
@@ -232,9 +232,9 @@ def packing(
         seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv), lengths_q,
         lengths_kv, [True],
     )  # fmt: skip
-    from flexfa.blockmask.packed import _use_kernel  # which would write them
+    from flexfa.blockmask.packed import use_packed_kernel  # which would write them
 
-    if not (defer and _use_kernel(device)):
+    if not (defer and use_packed_kernel(device)):
         found.fill()
     _packings[key] = (weakref.ref(user_q), weakref.ref(user_kv), found)
     while len(_packings) > _MAX_CACHED:

@@ -29,7 +29,7 @@ of by the tiers of `create_block_mask` (Note [Packed block masks] there).
 # vectorized torch operations, whatever the number of sequences, and no synchronization: the
 # lengths and the number of sequences are known on the host (`Packing`). Where the fused path
 # runs, one generated kernel does all of it instead (Note [Packed block masks in one kernel] in
-# flexfa/blockmask/packed_fused.py), for the masks it can take.
+# flexfa/codegen/triton/blockmask/packed_fused.py), for the masks it can take.
 #
 # Two kinds of mask_mod take the general path when the analysis is not enough, found with one
 # synchronization that only they pay:
@@ -52,9 +52,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexfa.blockmask.analysis import Analyzer, _independent, _Static
+from flexfa.blockmask.analysis import Analyzer, Static, independent
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.blockmask.grid import TileGrid, TileSet
+from flexfa.blockmask.kernels import registered
 from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.nodes import COMPARE_OPS, Op
@@ -95,10 +96,8 @@ def packed_block_mask(
         return None
     if inner is not None:
         analyzer, check = _analyzer(inner, rel)
-    if not check and _use_kernel(grid.device):  # Note [Packed block masks in one kernel]
-        from flexfa.blockmask import packed_fused
-
-        bm = packed_fused.build(traced, inner, grid, pack, rel)
+    if not check and use_packed_kernel(grid.device):  # Note [Packed block masks in one kernel]
+        bm = registered().build_packed(traced, inner, grid, pack, rel)
         if bm is not None:
             built["packed"] += 1
             built["kernel"] += 1
@@ -250,15 +249,15 @@ def _analyzer(inner: TracedMod, rel: TileGrid) -> tuple[Analyzer, bool]:
     return found
 
 
-def _use_kernel(device: torch.device) -> bool:
+def use_packed_kernel(device: torch.device) -> bool:
     """Whether to try the packed kernel: where the fused path runs (CUDA, or Triton's interpreter
     when FLEXFA_FUSED_BLOCK_MASK=on)."""
-    from flexfa.blockmask.build import _use_fused
+    from flexfa.blockmask.build import use_fused_kernel
 
-    return _use_fused(device)
+    return use_fused_kernel(device)
 
 
-def _needs_check(st: _Static) -> bool:
+def _needs_check(st: Static) -> bool:
     """Whether a mask's result must be checked before it is trusted (Note [Tiles of a packed
     mask]): it reads captured tensors, or its analysis is more than logic over exact values."""
     for n in st.order:
@@ -269,7 +268,7 @@ def _needs_check(st: _Static) -> bool:
             continue
         if n.dtype.is_bool and all(s.dtype.is_bool for s in n.srcs):
             continue  # logic over bools, where(bool, bool, bool) included
-        if n.op in COMPARE_OPS and _independent(*(st.sig[id(s)] for s in n.srcs)):
+        if n.op in COMPARE_OPS and independent(*(st.sig[id(s)] for s in n.srcs)):
             continue  # a value of q_idx alone against one of kv_idx alone, both exact lines
         return True
     return False

@@ -1,4 +1,4 @@
-"""The fused block-mask kernel (flexfa/blockmask/fused.py) through Triton's interpreter on the CPU:
+"""The fused block-mask kernel (flexfa/codegen/triton/blockmask/fused.py) through Triton's interpreter on the CPU:
 the same lists as the general path, states equal to the dense oracle, and the general path taken
 where the kernel cannot decide."""
 
@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 
 import flexfa
 from flexfa import masks as fm
-from flexfa.blockmask import fused
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid
+from flexfa.codegen.triton.blockmask import fused
 from tests.blockmask import oracle
 from tests.blockmask.strategies import cases, examples
 

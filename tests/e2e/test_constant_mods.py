@@ -119,7 +119,7 @@ def test_constant_and_index_only_mask_mods(name, backend):
 def test_block_mask_kernels_on_folded_masks(name, tmp_path):
     """The exact tier's kernel and the fused block-list kernel, against the CPU tier and the
     dense oracle."""
-    from flexfa.blockmask import exact_triton
+    from flexfa.codegen.triton.blockmask import exact_triton
 
     fn = MASK_MODS[name]
     traced = flexfa.trace_mask_mod(fn)

@@ -23,9 +23,10 @@ from hypothesis import strategies as st
 
 import flexfa
 from flexfa.backends.fa4 import missing_package
-from flexfa.blockmask import exact, exact_triton
+from flexfa.blockmask import exact
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid, TileList
+from flexfa.codegen.triton.blockmask import exact_triton
 from tests.blockmask import oracle
 from tests.e2e.fuzzgen import (
     Program,

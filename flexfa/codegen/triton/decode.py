@@ -40,12 +40,12 @@ from flexfa.codegen.triton.decode_configs import (
     default_config,
     row_tile,
 )
-from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, current_raw_stream, launch
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey
 from flexfa.codegen.triton.plan import plan_key
 from flexfa.layout import empty_like_query
-from flexfa.persist import persistent
+from flexfa.runtime.launch import DirectLaunch, KernelLaunch, current_raw_stream, launch
+from flexfa.runtime.persist import persistent
 from flexfa.spec import AttentionSpec
 
 #: The longest query the decode path takes by default (longer ones use the attention kernel).

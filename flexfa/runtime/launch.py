@@ -9,13 +9,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flexfa.codegen.triton import workers
-from flexfa.codegen.triton.params import KernelKey
 from flexfa.config import config
+from flexfa.runtime import workers
+
+if TYPE_CHECKING:
+    from flexfa.codegen.triton.params import KernelKey
 
 log = logging.getLogger("flexfa")
 
