@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 #: The default tier's share of a property test's examples.
 FAST_SHARE = 0.2
 
@@ -37,3 +39,18 @@ def examples(n: int) -> int:
     default tier; times FLEXFA_HYPOTHESIS_SCALE."""
     share = 1.0 if _exhaustive else FAST_SHARE
     return max(1, int(n * share * float(os.environ.get("FLEXFA_HYPOTHESIS_SCALE", "1"))))
+
+
+def sweep(cases, *, keep: int = 1) -> list:
+    """Parameters of a sweep whose first `keep` cases run in both tiers and the others only in the
+    exhaustive tier (marked `exhaustive`): the default tier keeps a representative of the sweep.
+    Use it in place of the list: `@pytest.mark.parametrize("case", sweep(CASES, keep=2))`; a
+    tuple case gives the values of several arguments (`parametrize("name, backend", ...)`).
+    """
+    return [
+        pytest.param(
+            *(case if isinstance(case, tuple) else (case,)),
+            marks=() if i < keep else pytest.mark.exhaustive,
+        )
+        for i, case in enumerate(cases)
+    ]

@@ -8,16 +8,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
 from flexfa.config import config
 from flexfa.runtime import workers
-
-if TYPE_CHECKING:
-    from flexfa.codegen.triton.params import KernelKey
 
 log = logging.getLogger("flexfa")
 
@@ -39,7 +36,7 @@ class KernelLaunch:
     constexprs: dict[str, Any]
     num_warps: int
     num_stages: int
-    key: KernelKey
+    key: Hashable  # the generator's key of the kernel (codegen/triton/params.py: KernelKey)
     label: str
 
     def arg_names(self) -> list[str]:
