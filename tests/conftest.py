@@ -30,7 +30,8 @@ def pytest_configure(config):
 
 
 def _in_tier(item, exhaustive: bool) -> bool:
-    if "exhaustive" in item.keywords:
+    # A test marked slow (more than a few seconds on 2 cores) is an exhaustive one.
+    if item.get_closest_marker("exhaustive") or item.get_closest_marker("slow"):
         return exhaustive
     # Property tests and the fuzzer run in both tiers, with their tier's example count.
     return not exhaustive or getattr(getattr(item, "obj", None), "is_hypothesis_test", False)

@@ -3,9 +3,9 @@
 - The default tier, `pytest -q`: every module and backend, in about ten minutes on 2 CPU cores.
   Property tests (hypothesis) and the fuzzer draw a fifth of their examples (at least one); tests
   marked `exhaustive` (whole interpreter-heavy sweeps, each of which keeps a representative case
-  unmarked) are deselected.
-- The exhaustive tier, `pytest -q --exhaustive`: the tests marked `exhaustive`, and every property
-  test and the fuzzer again at their full example counts.
+  unmarked, see `sweep`) or `slow` (more than a few seconds each) are deselected.
+- The exhaustive tier, `pytest -q --exhaustive`: the tests marked `exhaustive` or `slow`, and
+  every property test and the fuzzer again at their full example counts.
 
 tests/conftest.py sets the tier from the command line before any test module is imported, so the
 example counts below are read at collection. FLEXFA_HYPOTHESIS_SCALE multiplies them in either
