@@ -91,6 +91,7 @@ import torch
 from flexfa.blockmask.block_mask import BlockMask, DeferredBlockMask
 from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
+from flexfa.spec import PackedSequences  # noqa: F401  (flexfa.varlen.PackedSequences, as before)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -240,41 +241,6 @@ def packing(
     while len(_packings) > _MAX_CACHED:
         _packings.popitem(last=False)
     return found
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PackedSequences:
-    """A packed call's sequences and its user's own mods, traced (`AttentionSpec.packed`), for
-    backends with a variable-length path of their own (Note [Packed calls on FA4's varlen path]
-    in flexfa/codegen/cute/backend.py)."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_kv: torch.Tensor
-    lens_q: tuple[int, ...]
-    lens_kv: tuple[int, ...]
-    score_mod: TracedMod | None = None
-    mask: TracedMod | None = None
-
-    @property
-    def max_len_q(self) -> int:
-        return max(self.lens_q)
-
-    @property
-    def max_len_kv(self) -> int:
-        return max(self.lens_kv)
-
-    @functools.cached_property
-    def shapes(self) -> tuple[tuple[int, int], ...]:
-        """The distinct (len_q, len_kv) of the sequences with queries and keys, longest first."""
-        pairs = {(a, b) for a, b in zip(self.lens_q, self.lens_kv) if a and b}
-        return tuple(sorted(pairs, key=lambda p: (-(p[0] + p[1]), p)))
-
-    @functools.cached_property
-    def one_sided(self) -> tuple[int, ...]:
-        """The sequences with queries and no keys, or keys and no queries."""
-        return tuple(
-            s for s, (a, b) in enumerate(zip(self.lens_q, self.lens_kv)) if bool(a) != bool(b)
-        )
 
 
 def packed_mods(
