@@ -89,51 +89,10 @@ from typing import Any
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask, DeferredBlockMask
+from flexfa.blockmask.packed import Packing
 from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
 from flexfa.spec import PackedSequences  # noqa: F401  (flexfa.varlen.PackedSequences, as before)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Packing:
-    """Per token: its sequence (`seq_*`) and its position in that sequence (`pos_*`), int32; the
-    offsets themselves (`cu_*`, int32 on the device) and their host copy (`offsets_*`)."""
-
-    seq_q: torch.Tensor
-    pos_q: torch.Tensor
-    seq_kv: torch.Tensor
-    pos_kv: torch.Tensor
-    cu_q: torch.Tensor
-    cu_kv: torch.Tensor
-    offsets_q: tuple[int, ...]
-    offsets_kv: tuple[int, ...]
-    lengths_q: tuple[int, ...]  # of the sequences, from offsets_q
-    lengths_kv: tuple[int, ...]
-    # [True] while seq_* and pos_* are allocated but not written yet (Note [Positions written
-    # with the block lists]); `fill` writes them.
-    unwritten: list[bool] = dataclasses.field(default_factory=lambda: [False], repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.offsets_q) - 1
-
-    @property
-    def device(self) -> torch.device:
-        return self.seq_q.device
-
-    @property
-    def kv_own_positions(self) -> bool:
-        """Whether seq_kv and pos_kv are tensors of their own (else views of seq_q and pos_q)."""
-        return self.offsets_kv != self.offsets_q
-
-    def fill(self) -> None:
-        """Write seq_* and pos_* if they are not written yet."""
-        if self.unwritten[0]:
-            _write_positions(self.cu_q, self.seq_q, self.pos_q, self.offsets_q[-1])
-            if self.kv_own_positions:
-                _write_positions(self.cu_kv, self.seq_kv, self.pos_kv, self.offsets_kv[-1])
-            self.unwritten[0] = False
-
 
 _MAX_CACHED = 32
 _packings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
@@ -231,7 +190,7 @@ def packing(
         pos_kv = torch.empty(total_kv, dtype=torch.int32, device=device)
     found = Packing(
         seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv), lengths_q,
-        lengths_kv, [True],
+        lengths_kv, [True], _write_positions,
     )  # fmt: skip
     from flexfa.blockmask.packed import use_packed_kernel  # which would write them
 

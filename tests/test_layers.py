@@ -1,8 +1,7 @@
 """The package's layers point only down (docs/architecture.md), read from the imports themselves.
 
-Every module of flexfa/ is parsed (ast, nothing imported) and each import it makes, at the top or
-inside a function, is an edge. Imports under `if TYPE_CHECKING:` are left out: an annotation may
-name a type of any layer without making the module depend on it at run time. Three rules:
+Every module of flexfa/ is parsed (ast, nothing imported) and each import it makes, at the top,
+inside a function or under `if TYPE_CHECKING:`, is an edge. Three rules:
 
 - a module imports nothing from a layer above its own;
 - the parts of one layer (its folders and top-level modules) import each other without a cycle;
@@ -70,22 +69,12 @@ def _module_name(path: Path) -> str:
 MODULES = {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
-def _type_checking_lines(tree: ast.AST) -> set[int]:
-    lines: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for child in node.body:
-                lines.update(range(child.lineno, (child.end_lineno or child.lineno) + 1))
-    return lines
-
-
 def _imports(module: str) -> list[Import]:
     path = MODULES[module]
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_lines(tree)
     found = []
     for node in ast.walk(tree):
-        if not isinstance(node, (ast.Import, ast.ImportFrom)) or node.lineno in skip:
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
         if isinstance(node, ast.Import):
             found += [Import(module, a.name, None, node.lineno) for a in node.names]

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
 
     from flexfa.blockmask.block_mask import BlockMask
     from flexfa.blockmask.grid import TileGrid, TileList
+    from flexfa.blockmask.packed import Packing
     from flexfa.frontend.trace import TracedMod
-    from flexfa.varlen import Packing
 
 
 class MaskKernels(Protocol):

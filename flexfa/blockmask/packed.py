@@ -47,8 +47,9 @@ of by the tiers of `create_block_mask` (Note [Packed block masks] there).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
@@ -60,8 +61,50 @@ from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.nodes import COMPARE_OPS, Op
 
-if TYPE_CHECKING:
-    from flexfa.varlen import Packing
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packing:
+    """Per token: its sequence (`seq_*`) and its position in that sequence (`pos_*`), int32; the
+    offsets themselves (`cu_*`, int32 on the device) and their host copy (`offsets_*`)."""
+
+    seq_q: torch.Tensor
+    pos_q: torch.Tensor
+    seq_kv: torch.Tensor
+    pos_kv: torch.Tensor
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    offsets_q: tuple[int, ...]
+    offsets_kv: tuple[int, ...]
+    lengths_q: tuple[int, ...]  # of the sequences, from offsets_q
+    lengths_kv: tuple[int, ...]
+    # [True] while seq_* and pos_* are allocated but not written yet (Note [Positions written
+    # with the block lists]); `fill` writes them with `write_positions` (flexfa/varlen.py's).
+    unwritten: list[bool] = dataclasses.field(default_factory=lambda: [False], repr=False)
+    write_positions: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None = (
+        dataclasses.field(default=None, repr=False)
+    )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.offsets_q) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_q.device
+
+    @property
+    def kv_own_positions(self) -> bool:
+        """Whether seq_kv and pos_kv are tensors of their own (else views of seq_q and pos_q)."""
+        return self.offsets_kv != self.offsets_q
+
+    def fill(self) -> None:
+        """Write seq_* and pos_* if they are not written yet."""
+        if self.unwritten[0]:
+            self.write_positions(self.cu_q, self.seq_q, self.pos_q, self.offsets_q[-1])
+            if self.kv_own_positions:
+                self.write_positions(self.cu_kv, self.seq_kv, self.pos_kv, self.offsets_kv[-1])
+            self.unwritten[0] = False
+
 
 # How many packed masks were built here ("packed"), and how many of them by the kernel ("kernel");
 # tests read it to see that the general path was not taken.

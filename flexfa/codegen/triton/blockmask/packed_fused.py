@@ -59,7 +59,7 @@ from flexfa.frontend.trace import TracedMod
 from flexfa.runtime.launch import compiling_in_background, direct_default, launch_default
 
 if TYPE_CHECKING:
-    from flexfa.varlen import Packing
+    from flexfa.blockmask.packed import Packing
 
 log = logging.getLogger("flexfa")
 
