@@ -25,6 +25,7 @@ from flexfa.frontend.trace import _trace, trace, trace_mask_mod
 from flexfa.varlen import packed_mods, packing
 from tests.blockmask import oracle
 from tests.blockmask.strategies import MAX_H, MaskExpr, examples, masks
+from tests.tiers import sweep
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _CPU = torch.device("cpu")
@@ -398,8 +399,10 @@ KERNEL_MASKS = {**LIBRARY, "windows per head and sequence": _windows}
 
 @_interpreted
 @pytest.mark.usefixtures("_cache_dir")
-@pytest.mark.parametrize("name", sorted(KERNEL_MASKS))
-@pytest.mark.parametrize("block", [16, 32, (8, 16)])
+@pytest.mark.parametrize(
+    "name, block",
+    sweep([(name, block) for block in [16, 32, (8, 16)] for name in sorted(KERNEL_MASKS)], keep=3),
+)
 def test_kernel_lists_equal_the_torch_builders(name, block):
     inner = KERNEL_MASKS[name]
     for lens_q, lens_kv in (
