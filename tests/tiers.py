@@ -1,7 +1,6 @@
 """The two test tiers (README, "Tests").
 
-- The default tier, `pytest -q`: every module and backend; its target is about ten minutes on 2
-  quiet CPU cores.
+- The default tier, `pytest -q`: every module and backend in about ten minutes on 2 CPU cores.
   Property tests (hypothesis) and the fuzzer draw a fifth of their examples (at least one); tests
   marked `exhaustive` (whole interpreter-heavy sweeps, each of which keeps a representative case
   unmarked, see `sweep`) or `slow` (more than a few seconds each) are deselected.
