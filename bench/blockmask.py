@@ -172,7 +172,7 @@ def worker(cfg: dict) -> dict:
     batch = B if "b" in traced.variables else 1
     grid = TileGrid(batch, 1, n, n, BlockSize(BLOCK, BLOCK), device)
     if method == "flexfa":
-        from flexfa.blockmask import fused
+        from flexfa.codegen.triton.blockmask import fused
 
         # Which path built it: the fused kernel (Note [Fused analysis]) or the general tiers.
         fused_bm = fused.build(traced, grid) if device.type == "cuda" else None

@@ -23,9 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 import flexfa
-from flexfa.blockmask import fused
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid
+from flexfa.codegen.triton.blockmask import fused
 
 N, B, H, REPS = 8192, 2, 16, 200
 

@@ -7,7 +7,7 @@ One process fills flexfa's and Triton's caches (in a temporary directory); then 
 make one attention call each with those caches warm, alternating two modes:
 
 - `verified`: flexfa as it is: each cached module is used only after re-rendering it and
-  comparing the bytes (flexfa/diskcache.py);
+  comparing the bytes (flexfa/runtime/diskcache.py);
 - `unverified`: the file is imported as found, as flexfa did before the check (the child patches
   `diskcache.load_generated`; nothing in flexfa offers this). That import also wrote and reused a
   bytecode file in `__pycache__`, which the checked path does not trust, so the difference is the
@@ -46,7 +46,7 @@ _CHILD = textwrap.dedent(
         x = torch.randn(64, 64, device="cuda")
         (x @ x).sum().item()
     import flexfa
-    from flexfa import diskcache
+    from flexfa.runtime import diskcache
     import importlib.util
 
     from flexfa.codegen.triton import module as tmodule

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexfa
 from bench.decode import host_us
 from flexfa.codegen.triton import decode
-from flexfa.codegen.triton import launch as tlaunch
+from flexfa.runtime import launch as tlaunch
 
 B, HQ, HKV, D = 8, 32, 8, 128
 

@@ -7,7 +7,7 @@ output is checked against flexfa on the same fp8 values upcast to bf16 (relative
 `triton.testing.do_bench` medians; tokens/s = B * Lq / time; "vs bf16" is the tokens/s ratio
 (the goal: >= 1.8). "fp8 bn64" pins 64-key tiles (the default for fp8 is 128, Note [Decode
 configs]) to show what the larger tile gives; "fp8 v keys-inner" stores V as (B, Hkv, D, Lkv), keys
-contiguous (no byte-wise shared-memory reads of V in its PTX, `bench/fp8_ptx.py --v-keys-inner`).
+contiguous (no byte-wise shared-memory reads of V in its PTX, `bench/fp8_ptx.py --v-keys-inner`, a one-off script in git history).
 
     python bench/fp8_decode.py [--lkv 32768,131072] [--lq 1,4] [--rep 100] [--e5m2]
         [--paged [--page 128]]

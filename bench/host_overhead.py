@@ -79,7 +79,7 @@ def main() -> None:
 def decode_steps():
     """(name, fn) of decode calls whose kernel launches are no-ops (after one real call)."""
     from flexfa import api
-    from flexfa.codegen.triton import launch
+    from flexfa.runtime import launch
 
     qd = torch.randn(2, 8, 1, 64, dtype=torch.float16)
     kd, vd = (torch.randn(2, 2, 512, 64, dtype=torch.float16) for _ in range(2))

@@ -220,7 +220,7 @@ t0 = time.perf_counter(); o.sum().backward(); torch.cuda.synchronize(); bwd = ti
 extra = {{}}
 if which == "flexfa":
     import dataclasses
-    from flexfa.codegen.triton import workers
+    from flexfa.runtime import workers
     extra["workers"] = dataclasses.asdict(workers.stats)
 print(json.dumps(dict(fwd_s=fwd, bwd_s=bwd, **extra)))
 """

@@ -32,8 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import flexfa
 from flexfa.api import build_spec
 from flexfa.codegen.triton.backend import Launcher
-from flexfa.codegen.triton.launch import launch
 from flexfa.layout import empty_like_query
+from flexfa.runtime.launch import launch
 
 
 def bench_length(n: int, args) -> dict:

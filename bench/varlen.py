@@ -63,10 +63,10 @@ def stub_launches() -> None:
     checks of that path run as on a GPU (whether to use the kernels, the launch's argument
     fingerprint and specialization); only the compiled kernel's launch does nothing."""
     import flexfa.blockmask.build as build
-    import flexfa.codegen.triton.launch as launch
+    import flexfa.runtime.launch as launch
 
-    use_fused = build._use_fused
-    build._use_fused = lambda device: use_fused(torch.device("cuda", 0))
+    use_fused = build.use_fused_kernel
+    build.use_fused_kernel = lambda device: use_fused(torch.device("cuda", 0))
     torch.cuda.current_device = lambda: 0
 
     class NoLaunch:  # a compiled kernel whose launch does nothing
@@ -170,7 +170,7 @@ def main() -> None:
     for name, batches_of, build in timed:
         build()
         if name == "flexfa":  # its kernels compile in the background (Note [Concurrent compiles])
-            from flexfa.codegen.triton.launch import wait_for_background
+            from flexfa.runtime.launch import wait_for_background
 
             wait_for_background()
             for _ in range(39 if batches_of.startswith("new lengths") else 1):

@@ -10,10 +10,14 @@ backend anywhere).
 >>> out = flexfa.attention(q, k, v, score_mod=flexfa.mods.alibi, block_mask=flexfa.masks.causal)
 """
 
-from flexfa import diskcache, masks, mods
+from flexfa import masks, mods
 from flexfa.api import AuxOutput, AuxRequest, attention, build_spec, explain_backend
 from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
 from flexfa.blockmask.build import create_block_mask
+
+# Registers the Triton block-mask kernels with flexfa.blockmask (Note [Block-mask kernels by
+# registration] in flexfa/blockmask/kernels.py).
+from flexfa.codegen.triton import blockmask as _triton_block_masks  # noqa: F401
 from flexfa.config import config
 from flexfa.export import export_source
 from flexfa.frontend import ModTraceError, trace_mask_mod, trace_score_mod
@@ -21,8 +25,8 @@ from flexfa.frontend.lowerings import register_lowering
 from flexfa.masks import and_masks, noop_mask, or_masks
 from flexfa.merge import merge_attention
 from flexfa.paged import PagedKVCache
-
-__version__ = "0.1.0"
+from flexfa.runtime import diskcache
+from flexfa.version import __version__
 
 __all__ = [
     "AuxOutput",
@@ -33,6 +37,7 @@ __all__ = [
     "ModTraceError",
     "PagedKVCache",
     "TileState",
+    "__version__",
     "and_masks",
     "attention",
     "build_spec",

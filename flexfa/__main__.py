@@ -125,7 +125,7 @@ def _size(n: int) -> str:
 def cache_command(args: argparse.Namespace) -> int:
     import json
 
-    from flexfa import diskcache
+    from flexfa.runtime import diskcache
 
     if args.action == "clear":
         try:
@@ -163,7 +163,7 @@ def cache_command(args: argparse.Namespace) -> int:
 
 
 def _backend_list(text: str) -> list[str]:
-    from flexfa.diskcache import BACKENDS
+    from flexfa.runtime.diskcache import BACKENDS
 
     names = [n.strip() for n in text.split(",") if n.strip()]
     for n in names:

@@ -12,8 +12,8 @@ from flexfa import backends, torch_options
 from flexfa.blockmask.bind import resolve_block_mask
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.compiled import compiled_attention
-from flexfa.frontend.trace import TracedMod, trace_mask_mod, trace_score_mod
-from flexfa.mods import bind_heads
+from flexfa.frontend.bound import trace_call_score_mod as _trace_score_mod
+from flexfa.frontend.trace import TracedMod, trace_mask_mod
 from flexfa.paged import ensure_checked, validate_paged
 from flexfa.spec import AttentionSpec, resolve_scale, spec_from_shape, validate_qkv
 from flexfa.varlen import PackedSequences, deferred_block_mask, packed_mods, packing
@@ -236,7 +236,7 @@ def _start_triton(q, k, v) -> None:
     level = 2 if _needs_grad(q, k, v) else 1
     if level <= _triton_level:
         return
-    from flexfa.codegen.triton.launch import start_runtime
+    from flexfa.runtime.launch import start_runtime
 
     start_runtime(with_workers=level == 2)
     _triton_level = level
@@ -453,21 +453,6 @@ def _packed(q, k, score_mod, block_mask, cu_seqlens_q, cu_seqlens_kv):
         mask=None if block_mask is None else trace_mask_mod(block_mask, device=q.device),
     )
     return packed_score, packed_mask, sequences
-
-
-def _trace_score_mod(score_mod: Any, num_heads: int, device: torch.device) -> TracedMod | None:
-    if score_mod is None:
-        return None
-    traced = trace_score_mod(bind_heads(score_mod, num_heads), device=device)
-    if traced.is_identity:
-        return None
-    for cap, t in zip(traced.captures, traced.tensors):
-        if t.device != device:
-            raise ValueError(
-                f"score_mod {traced.name!r} captures {cap.name!r} on {t.device}, but q is on {device}; "
-                "move the captured tensor to the inputs' device"
-            )
-    return traced
 
 
 def explain_backend(

@@ -37,7 +37,7 @@
 # changed in place inside the same mod's closure (`nonlocal`) is not seen until the graph is
 # traced again. A local mod's floats are guarded by value (Note [Local mods under torch.compile]).
 # Under CUDA graphs (`mode="reduce-overhead"`) the BlockMask is built in the warm-up run, outside
-# the graph's memory pool (Note [Caches under CUDA graphs] in flexfa/persist.py), and the recorded
+# the graph's memory pool (Note [Caches under CUDA graphs] in flexfa/runtime/persist.py), and the recorded
 # graph replays the kernels with it: a mask_mod that reads a captured tensor (document ids) must
 # keep that tensor's values fixed across replays, or be called outside the graphed region. On the
 # H200 a decode loop (forward only) runs and replays right under CUDA graphs; a training step
@@ -467,9 +467,9 @@ def _spec(
         )
     B, Hq, _, Lq, Lkv, _, _ = shape
     if mask is None:
-        from flexfa.blockmask.bind import _noop
+        from flexfa.blockmask.bind import allow_all
 
-        mask = trace_mask_mod(_noop, device=q.device)
+        mask = trace_mask_mod(allow_all, device=q.device)
     bm = cached_block_mask(mask, B, Hq, Lq, Lkv, q.device, d.block_size)
     return spec_from_shape(
         shape,

@@ -5,7 +5,7 @@ the environment, or use `config.override(...)`, at any point.
 
 | variable | meaning | default |
 | --- | --- | --- |
-| FLEXFA_CACHE_DIR | where generated kernel sources and tuning results are kept (docs/cache.md; an unusable or shared directory is replaced by a private one, see flexfa/diskcache.py) | the user cache dir |
+| FLEXFA_CACHE_DIR | where generated kernel sources and tuning results are kept (docs/cache.md; an unusable or shared directory is replaced by a private one, see flexfa/runtime/diskcache.py) | the user cache dir |
 | FLEXFA_VERIFY_IR | check IR invariants after every pass | on under pytest |
 | FLEXFA_DUMP_IR | a directory: write each traced mod's IR there | unset |
 | FLEXFA_AUTOTUNE | benchmark kernel configs on first use (GPU only) | 0 |
@@ -94,7 +94,7 @@ class Config:
 
     @property
     def fused_block_mask(self) -> str:
-        """ "auto", "on" or "off" (see flexfa/blockmask/fused.py)."""
+        """ "auto", "on" or "off" (see flexfa/codegen/triton/blockmask/fused.py)."""
         value = self._get("fused_block_mask", lambda: os.environ.get("FLEXFA_FUSED_BLOCK_MASK"))
         if value is None or str(value).strip().lower() in ("", "auto"):
             return "auto"

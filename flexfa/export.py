@@ -77,7 +77,7 @@ def export_module(
 ) -> ExportedModule:
     """The Triton module flexfa generates for these mods (see `export_source`)."""
     from flexfa.codegen.triton.module import load_module, module_dir
-    from flexfa.diskcache import source_of
+    from flexfa.runtime.diskcache import source_of
 
     score, mask = _trace_pair(score_mod, mask_mod, num_heads)
     if score is None:
@@ -129,8 +129,27 @@ def compile_ptx(
     arch: int = 90,
 ) -> dict[str, str]:
     """PTX of each kernel for `sm_<arch>`, compiled here without a GPU (name -> PTX text)."""
-    from flexfa.codegen.triton.offline import compile_call
-
     q = torch.empty(1, num_heads, seq_len, head_dim, dtype=dtype, requires_grad=True)
     kernels = compile_call(q, q, q, score_mod, mask_mod, arch=arch)
     return {name: k.asm["ptx"] for name, k in kernels.items()}
+
+
+def compile_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    score_mod: Callable[..., Any] | None = None,
+    block_mask: Any = None,
+    *,
+    arch: int = 90,
+    with_backward: bool = True,
+    **kwargs: Any,
+) -> dict:
+    """Compile every Triton kernel `flexfa.attention(q, k, v, ...)` would launch, for
+    `sm_<arch>`, without a GPU: q, k, v may be CPU tensors, nothing runs. Returns {launch name:
+    CompiledKernel}; keyword arguments are those of `flexfa.attention`."""
+    from flexfa.api import build_spec
+    from flexfa.codegen.triton.offline import compile_spec
+
+    spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
+    return compile_spec(spec, arch=arch, with_backward=with_backward)

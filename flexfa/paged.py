@@ -25,45 +25,11 @@ keys at or past `kv_lens[b]` never attend. `PagedKVCache` keeps such a cache for
 from __future__ import annotations
 
 import collections
-import dataclasses
 import weakref
 
 import torch
 
-from flexfa.spec import check_dtypes
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PagedKV:
-    """The page table of one call, validated: what kernels need besides the pools."""
-
-    page_table: torch.Tensor  # (B, max_pages) int32
-    kv_lens: torch.Tensor  # (B,) int32
-    page_size: int
-    num_pages: int
-
-    @property
-    def max_pages(self) -> int:
-        return self.page_table.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        """The logical KV length of the call: max_pages * page_size."""
-        return self.max_pages * self.page_size
-
-    def gather(self, pages: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
-        """pages' keys at logical positions `cols` (int64 [n]) of every sequence: [B, Hkv, n, d].
-
-        Positions at or past a sequence's length read page 0 (callers mask them)."""
-        table = self.page_table[:, cols // self.page_size].long()  # [B, n]
-        live = cols[None, :] < self.kv_lens[:, None]
-        table = torch.where(live, table, 0)
-        return pages[table, :, (cols % self.page_size)[None, :]].permute(0, 2, 1, 3)
-
-    def in_length(self, cols: torch.Tensor) -> torch.Tensor:
-        """Bool [B, 1, 1, n]: which of the logical positions `cols` are keys of each sequence."""
-        return (cols[None, :] < self.kv_lens[:, None].long())[:, None, None, :]
-
+from flexfa.spec import PagedKV, check_dtypes
 
 _MAX_CHECKED = 64
 _checked: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()

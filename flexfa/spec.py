@@ -3,21 +3,85 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask
 from flexfa.frontend.trace import TracedMod
 
-if TYPE_CHECKING:
-    from flexfa.paged import PagedKV
-    from flexfa.varlen import PackedSequences
-
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 #: K/V may hold one of these with a query of any supported dtype (Note [fp8 K/V]).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PagedKV:
+    """The page table of one call, validated: what kernels need besides the pools."""
+
+    page_table: torch.Tensor  # (B, max_pages) int32
+    kv_lens: torch.Tensor  # (B,) int32
+    page_size: int
+    num_pages: int
+
+    @property
+    def max_pages(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """The logical KV length of the call: max_pages * page_size."""
+        return self.max_pages * self.page_size
+
+    def gather(self, pages: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+        """pages' keys at logical positions `cols` (int64 [n]) of every sequence: [B, Hkv, n, d].
+
+        Positions at or past a sequence's length read page 0 (callers mask them)."""
+        table = self.page_table[:, cols // self.page_size].long()  # [B, n]
+        live = cols[None, :] < self.kv_lens[:, None]
+        table = torch.where(live, table, 0)
+        return pages[table, :, (cols % self.page_size)[None, :]].permute(0, 2, 1, 3)
+
+    def in_length(self, cols: torch.Tensor) -> torch.Tensor:
+        """Bool [B, 1, 1, n]: which of the logical positions `cols` are keys of each sequence."""
+        return (cols[None, :] < self.kv_lens[:, None].long())[:, None, None, :]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedSequences:
+    """A packed call's sequences and its user's own mods, traced (`AttentionSpec.packed`), for
+    backends with a variable-length path of their own (Note [Packed calls on FA4's varlen path]
+    in flexfa/codegen/cute/backend.py)."""
+
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_kv: torch.Tensor
+    lens_q: tuple[int, ...]
+    lens_kv: tuple[int, ...]
+    score_mod: TracedMod | None = None
+    mask: TracedMod | None = None
+
+    @property
+    def max_len_q(self) -> int:
+        return max(self.lens_q)
+
+    @property
+    def max_len_kv(self) -> int:
+        return max(self.lens_kv)
+
+    @functools.cached_property
+    def shapes(self) -> tuple[tuple[int, int], ...]:
+        """The distinct (len_q, len_kv) of the sequences with queries and keys, longest first."""
+        pairs = {(a, b) for a, b in zip(self.lens_q, self.lens_kv) if a and b}
+        return tuple(sorted(pairs, key=lambda p: (-(p[0] + p[1]), p)))
+
+    @functools.cached_property
+    def one_sided(self) -> tuple[int, ...]:
+        """The sequences with queries and no keys, or keys and no queries."""
+        return tuple(
+            s for s, (a, b) in enumerate(zip(self.lens_q, self.lens_kv)) if bool(a) != bool(b)
+        )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

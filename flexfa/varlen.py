@@ -38,7 +38,7 @@ k and v (1, Hkv, total_kv, E|Ev) and (B + 1,) int32 offsets: sequence s holds qu
 # analysis it runs. The builder answers only for the tensors of its own packing: a trace with
 # other tensors bound (torch.compile rebinds a described trace's captures) takes the general path.
 # On a GPU that builder is one generated kernel (Note [Packed block masks in one kernel] in
-# flexfa/blockmask/packed_fused.py).
+# flexfa/codegen/triton/blockmask/packed_fused.py).
 #
 # Note [Packed positions in one kernel]
 # seq and pos of a new batch took five torch operations (repeat_interleave, which is more than one
@@ -89,50 +89,10 @@ from typing import Any
 import torch
 
 from flexfa.blockmask.block_mask import BlockMask, DeferredBlockMask
+from flexfa.blockmask.packed import Packing
 from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import bind_heads
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class Packing:
-    """Per token: its sequence (`seq_*`) and its position in that sequence (`pos_*`), int32; the
-    offsets themselves (`cu_*`, int32 on the device) and their host copy (`offsets_*`)."""
-
-    seq_q: torch.Tensor
-    pos_q: torch.Tensor
-    seq_kv: torch.Tensor
-    pos_kv: torch.Tensor
-    cu_q: torch.Tensor
-    cu_kv: torch.Tensor
-    offsets_q: tuple[int, ...]
-    offsets_kv: tuple[int, ...]
-    lengths_q: tuple[int, ...]  # of the sequences, from offsets_q
-    lengths_kv: tuple[int, ...]
-    # [True] while seq_* and pos_* are allocated but not written yet (Note [Positions written
-    # with the block lists]); `fill` writes them.
-    unwritten: list[bool] = dataclasses.field(default_factory=lambda: [False], repr=False)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.offsets_q) - 1
-
-    @property
-    def device(self) -> torch.device:
-        return self.seq_q.device
-
-    @property
-    def kv_own_positions(self) -> bool:
-        """Whether seq_kv and pos_kv are tensors of their own (else views of seq_q and pos_q)."""
-        return self.offsets_kv != self.offsets_q
-
-    def fill(self) -> None:
-        """Write seq_* and pos_* if they are not written yet."""
-        if self.unwritten[0]:
-            _write_positions(self.cu_q, self.seq_q, self.pos_q, self.offsets_q[-1])
-            if self.kv_own_positions:
-                _write_positions(self.cu_kv, self.seq_kv, self.pos_kv, self.offsets_kv[-1])
-            self.unwritten[0] = False
-
+from flexfa.spec import PackedSequences  # noqa: F401  (flexfa.varlen.PackedSequences, as before)
 
 _MAX_CACHED = 32
 _packings: collections.OrderedDict[tuple, tuple] = collections.OrderedDict()
@@ -142,9 +102,9 @@ def _write_positions(cu: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, tot
     """Write the sequence and position of every token, int32, without synchronizing (`total` is
     known): one kernel where the fused block-mask kernels run (Note [Packed positions in one
     kernel])."""
-    from flexfa.blockmask.build import _use_fused
+    from flexfa.blockmask.build import use_fused_kernel
 
-    if _use_fused(cu.device):
+    if use_fused_kernel(cu.device):
         from flexfa.codegen.triton import packing as kernels
 
         if kernels.positions(cu, seq, pos, total):
@@ -230,51 +190,16 @@ def packing(
         pos_kv = torch.empty(total_kv, dtype=torch.int32, device=device)
     found = Packing(
         seq_q, pos_q, seq_kv, pos_kv, cu_q, cu_kv, tuple(offsets_q), tuple(offsets_kv), lengths_q,
-        lengths_kv, [True],
+        lengths_kv, [True], _write_positions,
     )  # fmt: skip
-    from flexfa.blockmask.packed import _use_kernel  # which would write them
+    from flexfa.blockmask.packed import use_packed_kernel  # which would write them
 
-    if not (defer and _use_kernel(device)):
+    if not (defer and use_packed_kernel(device)):
         found.fill()
     _packings[key] = (weakref.ref(user_q), weakref.ref(user_kv), found)
     while len(_packings) > _MAX_CACHED:
         _packings.popitem(last=False)
     return found
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class PackedSequences:
-    """A packed call's sequences and its user's own mods, traced (`AttentionSpec.packed`), for
-    backends with a variable-length path of their own (Note [Packed calls on FA4's varlen path]
-    in flexfa/codegen/cute/backend.py)."""
-
-    cu_seqlens_q: torch.Tensor
-    cu_seqlens_kv: torch.Tensor
-    lens_q: tuple[int, ...]
-    lens_kv: tuple[int, ...]
-    score_mod: TracedMod | None = None
-    mask: TracedMod | None = None
-
-    @property
-    def max_len_q(self) -> int:
-        return max(self.lens_q)
-
-    @property
-    def max_len_kv(self) -> int:
-        return max(self.lens_kv)
-
-    @functools.cached_property
-    def shapes(self) -> tuple[tuple[int, int], ...]:
-        """The distinct (len_q, len_kv) of the sequences with queries and keys, longest first."""
-        pairs = {(a, b) for a, b in zip(self.lens_q, self.lens_kv) if a and b}
-        return tuple(sorted(pairs, key=lambda p: (-(p[0] + p[1]), p)))
-
-    @functools.cached_property
-    def one_sided(self) -> tuple[int, ...]:
-        """The sequences with queries and no keys, or keys and no queries."""
-        return tuple(
-            s for s, (a, b) in enumerate(zip(self.lens_q, self.lens_kv)) if bool(a) != bool(b)
-        )
 
 
 def packed_mods(

@@ -1,4 +1,4 @@
-"""flexfa's disk caches (flexfa/diskcache.py, Note [Disk caches]): damaged or foreign cache files
+"""flexfa's disk caches (flexfa/runtime/diskcache.py, Note [Disk caches]): damaged or foreign cache files
 are never executed and are healed, unusable or untrusted directories are never fatal, tuning
 results survive damage, concurrent writers leave one complete file, and `python -m flexfa cache`.
 
@@ -28,18 +28,19 @@ import pytest
 import torch
 
 import flexfa
-from flexfa import diskcache
 from flexfa import masks as fm
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid, TileList
 from flexfa.reference import reference_attention
+from flexfa.runtime import diskcache
 from tests.tolerance import assert_three_way
 
 pytest.importorskip("triton")
-from flexfa.blockmask import exact, exact_triton, fused
+from flexfa.blockmask import exact
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton import module as tmodule
 from flexfa.codegen.triton import plan
+from flexfa.codegen.triton.blockmask import exact_triton, fused
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -486,7 +487,7 @@ _CHILD = textwrap.dedent(
         out = flexfa.attention(q, k, v, score_mod=flexfa.mods.softcap(7.0),
                                block_mask=flexfa.masks.causal, backend="triton")
     cache_warnings = [str(w.message) for w in record
-                      if issubclass(w.category, flexfa.diskcache.CacheWarning)]
+                      if issubclass(w.category, flexfa.runtime.diskcache.CacheWarning)]
     print(json.dumps({"out": out.flatten().tolist(), "warnings": cache_warnings}))
     """
 )

@@ -5,7 +5,7 @@ flexfa/backends/fa4.py), triton (CUDA), then tiled (any device)."""
 from flexfa.backends.base import Backend, Support, explain, names, register, register_lazy, select
 
 register_lazy("fa4", "flexfa.backends.fa4")
-register_lazy("triton", "flexfa.codegen.triton.backend")
+register_lazy("triton", "flexfa.backends.triton")
 register_lazy("tiled", "flexfa.backends.tiled")
 
 __all__ = ["Backend", "Support", "explain", "names", "register", "register_lazy", "select"]

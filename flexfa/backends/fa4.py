@@ -23,6 +23,7 @@ from importlib import metadata
 import torch
 
 from flexfa.backends.base import Backend, Support, register
+from flexfa.codegen.cute.plan import backward_head_dim
 from flexfa.spec import AttentionSpec
 
 # The versions this backend was written and tested against (the extra in pyproject.toml pins them).
@@ -70,26 +71,6 @@ def head_dims_supported(head_dim: int, head_dim_v: int, arch_major: int) -> str 
         f"FA4 on sm100 takes head dims up to 128, (192, 128) or (256, 256); "
         f"got ({head_dim}, {head_dim_v})"
     )
-
-
-# Head dims at which flexfa's GPU tests verified FA4's sm90 backward, with and without a
-# score_mod (Note [Backward with a score_mod] in flexfa/codegen/cute/backend.py).
-SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
-
-
-def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) -> int | None:
-    """The head dim FA4's backward runs this call at, zero-padded (Note [Padded backward] in
-    flexfa/codegen/cute/backend.py), or None where it runs at the call's own head dims. sm90 only:
-    FA4's authors test its Blackwell backward, which no flexfa machine can run.
-
-    >>> backward_head_dim(80, 80, 9), backward_head_dim(128, 64, 9), backward_head_dim(64, 64, 9)
-    (96, 128, None)
-    """
-    if arch_major != 9:
-        return None
-    if head_dim == head_dim_v and head_dim in SM90_BACKWARD_HEAD_DIMS:
-        return None
-    return min(d for d in SM90_BACKWARD_HEAD_DIMS if d >= max(head_dim, head_dim_v))
 
 
 # Note [Which backend auto picks]

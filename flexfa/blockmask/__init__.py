@@ -3,9 +3,10 @@
 - `block_mask`: the `BlockMask` structure (block lists, tile states) and its methods.
 - `build`: `create_block_mask` and `classify`, the tiers that decide tiles:
   `analysis` (with `intervals` and `lines`) proves tiles from the mask's IR, `witness` proves
-  partial tiles with two pairs, refinement re-analyzes sub-rectangles, `exact` / `exact_triton` evaluate the
-  rest. `grid` holds the tile geometry they share. On CUDA, `fused` (with `fused_plan` and
-  `fused_emit`) does the analysis, witnesses and block lists in one generated kernel.
+  partial tiles with two pairs, refinement re-analyzes sub-rectangles, `exact` evaluates the
+  rest. `grid` holds the tile geometry they share. On CUDA, generated kernels registered in
+  `kernels` (flexfa/codegen/triton/blockmask, planned by `fused_plan`) do the analysis,
+  witnesses and block lists in one kernel, and the exact tier's evaluation.
 - `packed`: the BlockMask of a packed call's mask from its offsets (flexfa/varlen.py), which
   `create_block_mask` tries first (Note [Block mask builders]).
 - `bind`: building and caching a BlockMask when `flexfa.attention` receives a mask_mod.

@@ -44,7 +44,7 @@ import torch
 from flexfa.blockmask import intervals as iv
 from flexfa.blockmask.grid import TileGrid, TileSet
 from flexfa.blockmask.intervals import Abstract, Interval, Truth
-from flexfa.blockmask.lines import Sig, _join, _Line
+from flexfa.blockmask.lines import Line, Sig, _join
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.dtypes import DType
 from flexfa.ir.nodes import COMPARE_OPS, Node, Op, toposort
@@ -110,7 +110,7 @@ class Analysis:
 _LIMITS = {DType.INT32: 2**31 - 1, DType.INT64: 2**52}
 
 
-class _Static:
+class Static:
     """Affine forms, signatures and the parts of the DAG the analysis needs (no tensors)."""
 
     def __init__(self, root: Node, grid: TileGrid) -> None:
@@ -270,7 +270,7 @@ def _load_bounds(
     return Interval(lo, hi, nan, False), oob
 
 
-def _independent(a: Sig, b: Sig) -> bool:
+def independent(a: Sig, b: Sig) -> bool:
     """Every combination of the two operands' values occurs in a tile."""
     q_side = (Sig.NONE, Sig.Q)
     kv_side = (Sig.NONE, Sig.K)
@@ -287,7 +287,7 @@ _MONOTONE = {
 _LOG_LIKE = {Op.LOG: torch.log, Op.LOG2: torch.log2, Op.SQRT: torch.sqrt, Op.RSQRT: torch.rsqrt}
 
 
-def _transfer(n: Node, srcs: list[Abstract], st: _Static, device: torch.device) -> Abstract:
+def _transfer(n: Node, srcs: list[Abstract], st: Static, device: torch.device) -> Abstract:
     op, t = n.op, n.dtype
     if op is Op.CAST:
         return iv.cast(srcs[0], n.srcs[0].dtype, t)
@@ -311,7 +311,7 @@ def _transfer(n: Node, srcs: list[Abstract], st: _Static, device: torch.device) 
             x = iv.logical_xor(a, b)
             return iv.logical_not(x) if op is Op.EQ else x
         assert isinstance(a, Interval) and isinstance(b, Interval)
-        indep = _independent(st.sig[id(n.srcs[0])], st.sig[id(n.srcs[1])])
+        indep = independent(st.sig[id(n.srcs[0])], st.sig[id(n.srcs[1])])
         return iv.independent_compare(op, a, b, indep)
     if op is Op.LOAD:
         raise AssertionError("loads are bounded by _load_bounds")
@@ -367,14 +367,14 @@ class Analyzer:
     def __init__(self, mask: TracedMod, grid: TileGrid) -> None:
         self.mask = mask
         self.grid = grid
-        self.static = _Static(mask.output, grid)
+        self.static = Static(mask.output, grid)
         self.stats = _CaptureStats(mask.tensors)
-        self._lines: dict[Sig, _Line] = {}
+        self._lines: dict[Sig, Line] = {}
 
-    def _line(self, sig: Sig) -> _Line:
+    def _line(self, sig: Sig) -> Line:
         line = self._lines.get(sig)
         if line is None:
-            line = self._lines[sig] = _Line(sig, self.mask, self.grid)
+            line = self._lines[sig] = Line(sig, self.mask, self.grid)
         return line
 
     def run(self, ts: TileSet) -> Analysis:

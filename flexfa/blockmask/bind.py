@@ -10,7 +10,7 @@
 # Changing a captured doc-id tensor in place bumps its version, so the next call rebuilds; passing a
 # new tensor changes the identity. The cache holds the tensors alive, so an identity cannot be reused
 # by another tensor while its entry exists. On CUDA a miss is built outside CUDA graph pools
-# (Note [Caches under CUDA graphs] in flexfa/persist.py).
+# (Note [Caches under CUDA graphs] in flexfa/runtime/persist.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.blockmask.build import column_states, create_block_mask, grown_column
 from flexfa.blockmask.grid import TileGrid
 from flexfa.frontend.trace import TracedMod, trace_mask_mod
-from flexfa.persist import persistent
+from flexfa.runtime.persist import persistent
 
 DEFAULT_BLOCK_SIZE = BlockSize(128, 128)
 _CACHE_SIZE = 64
@@ -179,7 +179,8 @@ def clear_cache() -> None:
 _noop_cache: collections.OrderedDict[tuple, BlockMask] = collections.OrderedDict()
 
 
-def _noop(b, h, q_idx, kv_idx):
+def allow_all(b, h, q_idx, kv_idx):
+    """The mask_mod of no mask: every pair attends."""
     return q_idx.new_ones((), dtype=torch.bool)
 
 
@@ -196,7 +197,7 @@ def resolve_block_mask(
         key = (Lq, Lkv, device)
         bm = _noop_cache.get(key)
         if bm is None:
-            bm = cached_block_mask(trace_mask_mod(_noop, device=device), B, H, Lq, Lkv, device)
+            bm = cached_block_mask(trace_mask_mod(allow_all, device=device), B, H, Lq, Lkv, device)
             _noop_cache[key] = bm
             while len(_noop_cache) > _CACHE_SIZE:
                 _noop_cache.popitem(last=False)

@@ -511,7 +511,7 @@ def _unchecked(cls: type, **fields: object):
 
 
 # Note [Block lists in one buffer]
-# flexfa's block-mask kernels (flexfa/blockmask/fused.py, packed_fused.py) write the four lists of
+# flexfa's block-mask kernels (flexfa/codegen/triton/blockmask/fused.py, packed_fused.py) write the four lists of
 # a BlockMask into one int32 buffer, one allocation: the counts of kv_partial, kv_full, q_partial
 # and q_full ([B, H, rows] each), then their indices ([B, H, rows, cols] each), with the sizes of
 # `BlockMask.buffer_sizes`; `BlockMask.from_buffer` makes the BlockMask of views into it. Those

@@ -23,6 +23,7 @@ from flexfa.blockmask.analysis import Analyzer
 from flexfa.blockmask.block_mask import BlockList, BlockMask, BlockSize, TileState
 from flexfa.blockmask.exact import classify_exact, classify_tiles, evaluate_mask, index_grids
 from flexfa.blockmask.grid import TileGrid, TileList, TileSet
+from flexfa.blockmask.kernels import registered
 from flexfa.blockmask.witness import prove_partial
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod, trace_mask_mod
@@ -45,10 +46,9 @@ class Classification:
 
 def _exact_tiles(mask: TracedMod, grid: TileGrid, tiles: TileList) -> torch.Tensor:
     if grid.device.type == "cuda":
-        from flexfa.blockmask import exact_triton
-
-        if exact_triton.available():
-            return exact_triton.classify_tiles(mask, grid, tiles)
+        kernels = registered()  # Note [Block-mask kernels by registration]
+        if kernels is not None and kernels.exact_available():
+            return kernels.classify_tiles(mask, grid, tiles)
     return classify_tiles(mask, grid, tiles)
 
 
@@ -277,16 +277,17 @@ def _last_column(bm: BlockMask) -> torch.Tensor:
 # packed call is the one such mask (Note [Packed block masks] in flexfa/varlen.py).
 
 
-def _use_fused(device: torch.device) -> bool:
-    """Whether to try the fused kernel (Note [Fused analysis] in flexfa/blockmask/fused.py)."""
+def use_fused_kernel(device: torch.device) -> bool:
+    """Whether to try the fused kernel (Note [Fused analysis] in
+    flexfa/codegen/triton/blockmask/fused.py), registered by its generator (Note [Block-mask
+    kernels by registration] in flexfa/blockmask/kernels.py)."""
     mode = config.fused_block_mask
     if mode == "off":
         return False
     if device.type != "cuda" and not (mode == "on" and config.triton_interpret):
         return False
-    from flexfa.blockmask import fused
-
-    return fused.available()
+    kernels = registered()
+    return kernels is not None and kernels.available()
 
 
 def _check_len(name: str, value: object) -> int:
@@ -370,10 +371,8 @@ def create_block_mask(
         bm = own(traced, grid)
         if bm is not None:
             return bm
-    if _use_fused(device):
-        from flexfa.blockmask import fused
-
-        bm = fused.build(traced, grid)
+    if use_fused_kernel(device):
+        bm = registered().build(traced, grid)
         if bm is not None:
             return bm
     states = classify(traced, grid).states

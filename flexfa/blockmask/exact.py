@@ -3,7 +3,7 @@
 This is the tier used where neither analysis nor witnesses decide a tile (masks that read tensors
 in ways the analysis cannot bound). It evaluates `mask_mod` on every pair of the tiles it is given,
 in chunks sized so that the temporary bool tensor stays small: memory is O(chunk), never
-O(B * H * Q * KV). On CUDA, `flexfa.blockmask.exact_triton` does the same in one generated kernel.
+O(B * H * Q * KV). On CUDA, `flexfa.codegen.triton.blockmask.exact_triton` does the same in one generated kernel.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The plan of the fused block-mask kernel: how each node of a mask gets its abstract value, and
-what the kernel is given for it (Note [Fused analysis] in flexfa/blockmask/fused.py)."""
+what the kernel is given for it (Note [Fused analysis] in flexfa/codegen/triton/blockmask/fused.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 import enum
 import functools
 
-from flexfa.blockmask.analysis import _Static
+from flexfa.blockmask.analysis import Static
 from flexfa.blockmask.grid import TileGrid
 from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
@@ -18,7 +18,7 @@ from flexfa.ir.nodes import COMPARE_OPS, Node, Op, toposort
 
 class How(enum.Enum):
     PREFIX = "prefix"  # a bool of q_idx - kv_idx: prefix sums, counted per tile in the kernel
-    LINE = "line"  # another line node: per-tile tensors from `_Line.abstract`
+    LINE = "line"  # another line node: per-tile tensors from `Line.abstract`
     KLINE = "kline"  # a q- or kv-line node evaluated in the kernel over each tile's block
     AFFINE = "affine"  # an affine integer of q_idx and kv_idx: bounds from the tile's corners
     DIFF = "diff"  # a comparison of two affine integers: the sign of their difference
@@ -43,7 +43,7 @@ class LoadBounds:
 class Plan:
     """The steps of one mask on grids of one set of lengths, or why the kernel cannot do it."""
 
-    static: _Static
+    static: Static
     steps: tuple[Step, ...]
     reason: str | None
     loads: dict[int, tuple[LoadBounds, ...]] = dataclasses.field(default_factory=dict)
@@ -76,7 +76,7 @@ def _unsupported(n: Node) -> str | None:
     return f"{n.op.name.lower()} of values that vary with both q_idx and kv_idx"
 
 
-def _in_kernel(n: Node, st: _Static) -> bool:
+def _in_kernel(n: Node, st: Static) -> bool:
     """Whether line node `n` is computed in the kernel with no torch operation at all: a
     comparison of two affine integers (its difference has unit steps, so its bounds are exact),
     or logic over such comparisons (exact unless two of them are mixed in one tile; witnesses
@@ -89,7 +89,7 @@ def _in_kernel(n: Node, st: _Static) -> bool:
 
 
 def make_plan(mask: TracedMod, grid: TileGrid) -> Plan:
-    st = _Static(mask.output, grid)
+    st = Static(mask.output, grid)
     if not mask.output.dtype.is_bool:
         return Plan(st, (), "the mask is not a bool")
     how: dict[int, How] = {}
@@ -129,7 +129,7 @@ def make_plan(mask: TracedMod, grid: TileGrid) -> Plan:
 _KLINE_INTS = (DType.INT32, DType.INT64)
 
 
-def _affine_loads(n: Node, st: _Static) -> tuple[LoadBounds, ...] | None:
+def _affine_loads(n: Node, st: Static) -> tuple[LoadBounds, ...] | None:
     """The loads under `n`, when every index of each is an affine form (None otherwise): then
     whether they stay in bounds is known from the lengths and shapes alone."""
     out = []

@@ -2,7 +2,7 @@
 their per-rectangle minima, maxima and counts (Note [Tile analysis] in analysis.py).
 
 A node of signature Q, K or D is a function of one integer u (q_idx, kv_idx or q_idx - kv_idx),
-and the values of u inside a tile form one contiguous range; `_Line` evaluates such nodes once per
+and the values of u inside a tile form one contiguous range; `Line` evaluates such nodes once per
 value of u and answers range queries over tiles from prefix sums and sparse tables.
 """
 
@@ -106,7 +106,7 @@ def _line_env(sig: Sig, grid: TileGrid) -> tuple[tuple[str, torch.Tensor], ...]:
     )
 
 
-class _Line:
+class Line:
     """The exact evaluation of the nodes of one signature along their single varying index u
     (Note [Tile analysis]), and per-rectangle ranges of the values."""
 

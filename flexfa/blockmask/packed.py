@@ -29,7 +29,7 @@ of by the tiers of `create_block_mask` (Note [Packed block masks] there).
 # vectorized torch operations, whatever the number of sequences, and no synchronization: the
 # lengths and the number of sequences are known on the host (`Packing`). Where the fused path
 # runs, one generated kernel does all of it instead (Note [Packed block masks in one kernel] in
-# flexfa/blockmask/packed_fused.py), for the masks it can take.
+# flexfa/codegen/triton/blockmask/packed_fused.py), for the masks it can take.
 #
 # Two kinds of mask_mod take the general path when the analysis is not enough, found with one
 # synchronization that only they pay:
@@ -47,20 +47,64 @@ of by the tiers of `create_block_mask` (Note [Packed block masks] there).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
-from flexfa.blockmask.analysis import Analyzer, _independent, _Static
+from flexfa.blockmask.analysis import Analyzer, Static, independent
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.blockmask.grid import TileGrid, TileSet
+from flexfa.blockmask.kernels import registered
 from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.nodes import COMPARE_OPS, Op
 
-if TYPE_CHECKING:
-    from flexfa.varlen import Packing
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packing:
+    """Per token: its sequence (`seq_*`) and its position in that sequence (`pos_*`), int32; the
+    offsets themselves (`cu_*`, int32 on the device) and their host copy (`offsets_*`)."""
+
+    seq_q: torch.Tensor
+    pos_q: torch.Tensor
+    seq_kv: torch.Tensor
+    pos_kv: torch.Tensor
+    cu_q: torch.Tensor
+    cu_kv: torch.Tensor
+    offsets_q: tuple[int, ...]
+    offsets_kv: tuple[int, ...]
+    lengths_q: tuple[int, ...]  # of the sequences, from offsets_q
+    lengths_kv: tuple[int, ...]
+    # [True] while seq_* and pos_* are allocated but not written yet (Note [Positions written
+    # with the block lists]); `fill` writes them with `write_positions` (flexfa/varlen.py's).
+    unwritten: list[bool] = dataclasses.field(default_factory=lambda: [False], repr=False)
+    write_positions: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], None] | None = (
+        dataclasses.field(default=None, repr=False)
+    )
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.offsets_q) - 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.seq_q.device
+
+    @property
+    def kv_own_positions(self) -> bool:
+        """Whether seq_kv and pos_kv are tensors of their own (else views of seq_q and pos_q)."""
+        return self.offsets_kv != self.offsets_q
+
+    def fill(self) -> None:
+        """Write seq_* and pos_* if they are not written yet."""
+        if self.unwritten[0]:
+            self.write_positions(self.cu_q, self.seq_q, self.pos_q, self.offsets_q[-1])
+            if self.kv_own_positions:
+                self.write_positions(self.cu_kv, self.seq_kv, self.pos_kv, self.offsets_kv[-1])
+            self.unwritten[0] = False
+
 
 # How many packed masks were built here ("packed"), and how many of them by the kernel ("kernel");
 # tests read it to see that the general path was not taken.
@@ -95,10 +139,8 @@ def packed_block_mask(
         return None
     if inner is not None:
         analyzer, check = _analyzer(inner, rel)
-    if not check and _use_kernel(grid.device):  # Note [Packed block masks in one kernel]
-        from flexfa.blockmask import packed_fused
-
-        bm = packed_fused.build(traced, inner, grid, pack, rel)
+    if not check and use_packed_kernel(grid.device):  # Note [Packed block masks in one kernel]
+        bm = registered().build_packed(traced, inner, grid, pack, rel)
         if bm is not None:
             built["packed"] += 1
             built["kernel"] += 1
@@ -250,15 +292,15 @@ def _analyzer(inner: TracedMod, rel: TileGrid) -> tuple[Analyzer, bool]:
     return found
 
 
-def _use_kernel(device: torch.device) -> bool:
+def use_packed_kernel(device: torch.device) -> bool:
     """Whether to try the packed kernel: where the fused path runs (CUDA, or Triton's interpreter
     when FLEXFA_FUSED_BLOCK_MASK=on)."""
-    from flexfa.blockmask.build import _use_fused
+    from flexfa.blockmask.build import use_fused_kernel
 
-    return _use_fused(device)
+    return use_fused_kernel(device)
 
 
-def _needs_check(st: _Static) -> bool:
+def _needs_check(st: Static) -> bool:
     """Whether a mask's result must be checked before it is trusted (Note [Tiles of a packed
     mask]): it reads captured tensors, or its analysis is more than logic over exact values."""
     for n in st.order:
@@ -269,7 +311,7 @@ def _needs_check(st: _Static) -> bool:
             continue
         if n.dtype.is_bool and all(s.dtype.is_bool for s in n.srcs):
             continue  # logic over bools, where(bool, bool, bool) included
-        if n.op in COMPARE_OPS and _independent(*(st.sig[id(s)] for s in n.srcs)):
+        if n.op in COMPARE_OPS and independent(*(st.sig[id(s)] for s in n.srcs)):
             continue  # a value of q_idx alone against one of kv_idx alone, both exact lines
         return True
     return False

@@ -10,7 +10,6 @@ sequence, and every load stays in range.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import torch
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 
 import flexfa
 from flexfa import masks as fm
+from tests.tiers import examples  # noqa: F401  (the tier's example counts, for the tests here)
 
 MAX_B, MAX_H = 2, 3
 
@@ -25,11 +25,6 @@ MAX_B, MAX_H = 2, 3
 BLOCK_SIZES = st.sampled_from(
     [16, 32, 64, 128, 256, (16, 32), (32, 16), (64, 16), (16, 128), (128, 32), (24, 40), (48, 16)]
 )
-
-
-def examples(n: int) -> int:
-    """`n` examples, times FLEXFA_HYPOTHESIS_SCALE (e.g. 20 for a long local hunt)."""
-    return max(1, int(n * float(os.environ.get("FLEXFA_HYPOTHESIS_SCALE", "1"))))
 
 
 @dataclasses.dataclass(frozen=True)

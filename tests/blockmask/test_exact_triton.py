@@ -8,10 +8,11 @@ import torch
 
 import flexfa
 from flexfa import masks as fm
-from flexfa.blockmask import exact, exact_triton
+from flexfa.blockmask import exact
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.build import classify
 from flexfa.blockmask.grid import TileGrid, TileList
+from flexfa.codegen.triton.blockmask import exact_triton
 from tests.blockmask import oracle
 
 

@@ -7,10 +7,10 @@ import torch
 
 import flexfa
 from flexfa import masks as fm
-from flexfa.blockmask import fused
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid
-from flexfa.codegen.triton.launch import wait_for_background
+from flexfa.codegen.triton.blockmask import fused
+from flexfa.runtime.launch import wait_for_background
 from tests.blockmask import oracle
 
 pytestmark = pytest.mark.gpu

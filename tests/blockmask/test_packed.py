@@ -25,6 +25,7 @@ from flexfa.frontend.trace import _trace, trace, trace_mask_mod
 from flexfa.varlen import packed_mods, packing
 from tests.blockmask import oracle
 from tests.blockmask.strategies import MAX_H, MaskExpr, examples, masks
+from tests.tiers import sweep
 
 _SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 _CPU = torch.device("cpu")
@@ -398,8 +399,10 @@ KERNEL_MASKS = {**LIBRARY, "windows per head and sequence": _windows}
 
 @_interpreted
 @pytest.mark.usefixtures("_cache_dir")
-@pytest.mark.parametrize("name", sorted(KERNEL_MASKS))
-@pytest.mark.parametrize("block", [16, 32, (8, 16)])
+@pytest.mark.parametrize(
+    "name, block",
+    sweep([(name, block) for block in [16, 32, (8, 16)] for name in sorted(KERNEL_MASKS)], keep=3),
+)
 def test_kernel_lists_equal_the_torch_builders(name, block):
     inner = KERNEL_MASKS[name]
     for lens_q, lens_kv in (
@@ -459,8 +462,8 @@ def test_masks_the_kernel_cannot_take_fall_back_as_before(caplog):
 @_interpreted
 @pytest.mark.usefixtures("_cache_dir")
 def test_a_cold_kernel_compiles_in_the_background_while_torch_builds(monkeypatch):
-    from flexfa.blockmask import packed_fused
     from flexfa.codegen.triton import packing as positions
+    from flexfa.codegen.triton.blockmask import packed_fused
 
     states = iter([True, False])
     seen = []
@@ -560,7 +563,7 @@ def test_strided_offsets_reach_the_kernels_contiguous():
 def test_deferred_positions_are_written_when_the_list_kernel_does_not_run(monkeypatch):
     """The torch builder (while the kernel compiles, or for a mask it cannot take) and a later
     `packing()` without `defer` see written positions."""
-    from flexfa.blockmask import packed_fused
+    from flexfa.codegen.triton.blockmask import packed_fused
 
     lens = [20, 0, 35, 1, 12]
     cu = _offsets(lens)
@@ -598,8 +601,8 @@ def test_a_new_batch_is_one_launch_and_no_other_operation(monkeypatch):
     deferring, the positions are a launch of their own."""
     from torch.utils._python_dispatch import _disable_current_modes
 
-    from flexfa.blockmask import packed_fused
     from flexfa.codegen.triton import packing as positions
+    from flexfa.codegen.triton.blockmask import packed_fused
 
     launches = []
     for module in (packed_fused, positions):
@@ -635,7 +638,7 @@ def test_batches_of_new_lengths_share_the_analysis_and_the_kernel_plan(monkeypat
     """Batches whose longest sequences differ (within a power of 2) reuse the mask's analysis and
     the packed kernel's plan (Note [Relative grids of powers of 2]), and their lists are still
     exact where the dense oracle says so."""
-    from flexfa.blockmask import packed_fused
+    from flexfa.codegen.triton.blockmask import packed_fused
 
     made = []
     make = packed_fused._make

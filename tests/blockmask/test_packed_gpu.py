@@ -12,7 +12,7 @@ import torch
 import flexfa
 from flexfa import masks as fm
 from flexfa.blockmask import packed
-from flexfa.codegen.triton.launch import wait_for_background
+from flexfa.runtime.launch import wait_for_background
 from flexfa.varlen import packed_mods, packing
 from tests.sequences import offsets, per_sequence_reference
 from tests.tolerance import ThreeWay

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from tests.distributed import worker
+from tests.tiers import sweep
 
 pytestmark = pytest.mark.skipif(
     not dist.is_available() or not dist.is_gloo_available(), reason="needs torch.distributed gloo"
@@ -48,7 +49,7 @@ def _plan(world: int) -> list[tuple[str, object, str]]:
     return plan
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", sweep([2, 3, 4]))
 def test_matches_single_process(world, tmp_path):
     mp.spawn(
         worker.run,

@@ -2,19 +2,12 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 from hypothesis import strategies as st
 
 from tests.e2e.harness import Problem
 from tests.e2e.layouts import LAYOUTS, TENSORS
-
-
-def examples(n: int) -> int:
-    """`n` hypothesis examples, times FLEXFA_HYPOTHESIS_SCALE (e.g. 20 for a long local hunt)."""
-    return max(1, int(n * float(os.environ.get("FLEXFA_HYPOTHESIS_SCALE", "1"))))
-
+from tests.tiers import examples  # noqa: F401  (the tier's example counts, for the tests here)
 
 LOW_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 

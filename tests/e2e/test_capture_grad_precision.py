@@ -163,7 +163,7 @@ def eager_backward_on_cpu(monkeypatch):
         # Triton's interpreter: one head of dim 16 keeps it to a few seconds each. (No bfloat16:
         # the interpreter multiplies bfloat16 tiles incorrectly, see TritonBackend.supports.)
         _Case("triton", torch.float16, 256),
-        _Case("triton", torch.float16, 277),
+        pytest.param(_Case("triton", torch.float16, 277), marks=pytest.mark.exhaustive),
     ],
     ids=lambda c: f"{c.backend}-{str(c.dtype).removeprefix('torch.')}-{c.length}",
 )

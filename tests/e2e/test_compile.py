@@ -60,7 +60,13 @@ def test_fullgraph_forward_backward_with_a_captured_parameter(compiler="aot_eage
 
 
 @pytest.mark.parametrize(
-    "backend", ["tiled"] + (["triton"] if flexfa.config.triton_interpret else [])
+    "backend",
+    ["tiled"]
+    + (
+        [pytest.param("triton", marks=pytest.mark.exhaustive)]
+        if flexfa.config.triton_interpret
+        else []
+    ),
 )
 def test_broadcast_kv_under_compile(backend):
     """K/V of batch 1 against q of batch 2 (read with batch stride 0) gives eager's results."""

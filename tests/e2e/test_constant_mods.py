@@ -19,6 +19,7 @@ from tests.blockmask import oracle
 from tests.e2e.harness import INTERPRETER_TILES as TRITON_TILES
 from tests.e2e.harness import Problem, check_attention
 from tests.mods import BuiltMod
+from tests.tiers import sweep
 
 _TAB = torch.tensor([[0.5, -1.0, 0.25], [2.0, 0.0, -0.75]])
 
@@ -86,8 +87,11 @@ MASK_MODS = {
 PROBLEM = Problem(batch=1, heads_q=2, heads_kv=1, len_q=19, len_kv=23, head_dim=16, head_dim_v=24)
 
 
-@pytest.mark.parametrize("backend", ["tiled", "triton"])
-@pytest.mark.parametrize("name", sorted(SCORE_MODS))
+@pytest.mark.parametrize(
+    "name, backend",
+    [(name, "tiled") for name in sorted(SCORE_MODS)]
+    + sweep([(name, "triton") for name in sorted(SCORE_MODS)], keep=3),
+)
 def test_constant_and_index_only_score_mods(name, backend):
     check_attention(
         PROBLEM,
@@ -115,11 +119,11 @@ def test_constant_and_index_only_mask_mods(name, backend):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter run is the CPU check")
-@pytest.mark.parametrize("name", sorted(MASK_MODS))
+@pytest.mark.parametrize("name", sweep(sorted(MASK_MODS), keep=2))
 def test_block_mask_kernels_on_folded_masks(name, tmp_path):
     """The exact tier's kernel and the fused block-list kernel, against the CPU tier and the
     dense oracle."""
-    from flexfa.blockmask import exact_triton
+    from flexfa.codegen.triton.blockmask import exact_triton
 
     fn = MASK_MODS[name]
     traced = flexfa.trace_mask_mod(fn)

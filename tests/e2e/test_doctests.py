@@ -13,6 +13,7 @@ MODULES = [
     "flexfa.ir.evaluate",
     "flexfa.ir.autodiff",
     "flexfa.frontend.trace",
+    "flexfa.frontend.bound",
     "flexfa.reference",
     "flexfa.mods",
     "flexfa.masks",
@@ -23,7 +24,7 @@ MODULES = [
     "flexfa.blockmask.block_mask",
     "flexfa.backends.fa4",
     "flexfa.torch_options",
-    "flexfa.persist",
+    "flexfa.runtime.persist",
 ]
 
 

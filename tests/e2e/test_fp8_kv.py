@@ -218,7 +218,8 @@ _COMPILE_CHILD = textwrap.dedent(
     import json, torch, flexfa
     from flexfa.api import build_spec
     from flexfa.codegen.triton import decode
-    from flexfa.codegen.triton.offline import compile_call, compile_launch
+    from flexfa.codegen.triton.offline import compile_launch
+    from flexfa.export import compile_call
     result = {}
     for kd in (torch.float8_e4m3fn, torch.float8_e5m2):
         name = str(kd).removeprefix("torch.float8_")

@@ -1,8 +1,9 @@
 """The differential fuzzer: random programs (tests/e2e/fuzzgen.py) on every backend this machine
 has, output, LSE and every gradient against the float64 reference.
 
-CI runs a fixed budget with a fixed seed (derandomized: the same programs every run). A long
-campaign draws fresh programs:
+CI runs a fixed budget with a fixed seed (derandomized: the same programs every run): the
+exhaustive tier (`--exhaustive`, tests/tiers.py) runs the budgets below, the default tier a fifth of
+them. A long campaign draws fresh programs:
 
     FLEXFA_FUZZ_EXAMPLES=2000 python -m pytest tests/e2e/test_fuzz.py -k tiled
 
@@ -23,9 +24,11 @@ from hypothesis import strategies as st
 
 import flexfa
 from flexfa.backends.fa4 import missing_package
-from flexfa.blockmask import exact, exact_triton
+from flexfa.blockmask import exact
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.blockmask.grid import TileGrid, TileList
+from flexfa.codegen.triton.blockmask import exact_triton
+from tests import tiers
 from tests.blockmask import oracle
 from tests.e2e.fuzzgen import (
     Program,
@@ -48,8 +51,12 @@ _SEED = int(os.environ.get("FLEXFA_FUZZ_SEED", "19"))
 TRITON_TILES = INTERPRETER_TILES
 
 
+def _share() -> float:
+    return 1.0 if tiers.exhaustive() else tiers.FAST_SHARE
+
+
 def fuzz_settings(backend: str):
-    n = int(_LONG) if _LONG else _CI_EXAMPLES[backend]
+    n = int(_LONG) if _LONG else max(1, round(_CI_EXAMPLES[backend] * _share()))
     return settings(
         max_examples=n,
         deadline=None,

@@ -24,10 +24,18 @@ from tests.e2e.harness import Problem, check_attention
 from tests.e2e.layouts import LAYOUTS, describe, relayout
 from tests.e2e.strategies import examples, layouts
 from tests.mods import BuiltMod
+from tests.tiers import sweep
 from tests.tolerance import ThreeWay
 
 #: The kernel backends this machine can run on the CPU (Triton through its interpreter).
 BACKENDS = ["tiled"] + (["triton"] if config.triton_interpret else [])
+
+
+def _cases(kinds) -> list:
+    """(kind, backend): every kind on tiled; on Triton's interpreter two of them by default, the
+    others in the exhaustive tier (tests/tiers.py)."""
+    interpreted = [(kind, backend) for backend in BACKENDS[1:] for kind in kinds]
+    return [(kind, "tiled") for kind in kinds] + sweep(interpreted, keep=2)
 
 
 def _options(backend: str) -> dict | None:
@@ -74,8 +82,7 @@ def test_input_and_gradient_layouts(backend, layout, len_q, len_kv, causal, bias
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", LAYOUTS)
+@pytest.mark.parametrize("kind, backend", _cases(LAYOUTS))
 def test_captured_tensor_layouts(backend, kind):
     """A learnable bias table read through a view: values and the table's gradient are right."""
     p = Problem(batch=2, heads_q=4, heads_kv=4, len_q=21, len_kv=19, head_dim=16)
@@ -173,8 +180,9 @@ def test_merged_prefix_and_suffix_equal_one_causal_call(backend):
     check.assert_ok()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["expanded", "scalar", "slice", "step", "permuted", "offset"])
+@pytest.mark.parametrize(
+    "kind, backend", _cases(["expanded", "scalar", "slice", "step", "permuted", "offset"])
+)
 def test_lse_gradient_layout_matches_contiguous(backend, kind):
     """The same dLSE values, once contiguous and once in `kind`, give the same gradients."""
     g = torch.Generator().manual_seed(11)

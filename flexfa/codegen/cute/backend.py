@@ -113,7 +113,7 @@ def hooks_for(score: TracedMod | None, mask: TracedMod | None, grad_slots: froze
 
 # Note [Padded backward]
 # FA4's sm90 backward is trusted at the head dims flexfa's GPU tests verified
-# (`flexfa.backends.fa4.SM90_BACKWARD_HEAD_DIMS`: 64, 96, 128, 192, 256, head_dim == head_dim_v).
+# (`flexfa.codegen.cute.plan.SM90_BACKWARD_HEAD_DIMS`: 64, 96, 128, 192, 256, head_dim == head_dim_v).
 # Elsewhere it failed: wrong dQ at head dims 72, 80, 104 and 112; at head_dim != head_dim_v a
 # launch error (head_dim < head_dim_v), wrong dQ and dK (head_dim > head_dim_v, with a softcap),
 # and an assertion with GQA. So such a backward runs at the next verified head dim: q and k padded
@@ -453,7 +453,7 @@ def make_call(spec: AttentionSpec, *, varlen: bool = True) -> Call:
     """The planned FA4 call of `spec`; a packed call goes to FA4's varlen kernels where Note
     [Packed calls on FA4's varlen path] allows (`varlen=False`: never, for callers that pass the
     spec's own score_mod tensors and gradient slots)."""
-    from flexfa.backends.fa4 import backward_head_dim
+    from flexfa.codegen.cute.plan import backward_head_dim
 
     lowering = packed_lowering(spec) if varlen else None
     varlen_call = None  # (the user's score_mod, the native mask, sequences, rows)

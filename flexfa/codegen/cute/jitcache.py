@@ -32,8 +32,8 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from flexfa import diskcache
 from flexfa.config import config
+from flexfa.runtime import diskcache
 
 PREFIX = "flexfa-"
 _installed = False

@@ -21,10 +21,9 @@ import threading
 import types
 from pathlib import Path
 
-from flexfa import diskcache
-from flexfa.codegen import jinja
 from flexfa.codegen.cute import emit
 from flexfa.frontend.trace import TracedMod
+from flexfa.runtime import diskcache, jinja
 
 TEMPLATE_DIR = Path(__file__).parent / "templates"
 TEMPLATE = "mods.py.jinja"
@@ -64,7 +63,7 @@ def versions() -> tuple[str, ...]:
 
     import torch
 
-    from flexfa import __version__
+    from flexfa.version import __version__
 
     def version(dist: str) -> str:
         try:
@@ -126,7 +125,7 @@ def _aux_doc(score: TracedMod | None, mask: TracedMod | None, aux: emit.AuxLayou
 
 def render(score: TracedMod | None, mask: TracedMod | None, grad_slots: frozenset[int]) -> Rendered:
     """The generated module for these mods: helpers, then score_mod, score_mod_bwd, mask_mod."""
-    from flexfa import __version__
+    from flexfa.version import __version__
 
     aux = emit.AuxLayout.of(score, mask, grad_slots)
     constants = emit.Constants()  # Note [Constants in generated CuTe source]
@@ -162,7 +161,7 @@ def load_module(
 ) -> tuple[ModuleKey, types.ModuleType]:
     """The generated module for these mods, imported (this imports cutlass and flash_attn): from
     memory, else rendered and checked against the disk copy, else rendered and written — the
-    rules of every flexfa disk cache (Note [Disk caches] in flexfa/diskcache.py)."""
+    rules of every flexfa disk cache (Note [Disk caches] in flexfa/runtime/diskcache.py)."""
     key = module_key(score, mask, grad_slots)
     with _lock:
         module = _modules.get(key.digest)

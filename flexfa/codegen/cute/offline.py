@@ -134,12 +134,12 @@ def compile_call(
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from flexfa.api import _trace_score_mod
-    from flexfa.backends.fa4 import backward_head_dim
     from flexfa.blockmask.bind import resolve_block_mask
     from flexfa.codegen.cute import backend, launch
+    from flexfa.codegen.cute.plan import backward_head_dim
+    from flexfa.frontend.bound import trace_call_score_mod
 
-    score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
+    score = trace_call_score_mod(score_mod, num_heads, torch.device("cpu"))
     if seqlens is None:
         bm = resolve_block_mask(mask_mod, 1, num_heads, seq_len, seq_len, torch.device("cpu"))
         mask = None if bm.mask.is_trivially_true else bm.mask
@@ -293,14 +293,14 @@ def export(
     and SASS where a cuobjdump is found, with no GPU needed. Returns the paths written."""
     import json
 
-    from flexfa.api import _trace_score_mod
     from flexfa.blockmask.bind import resolve_block_mask
     from flexfa.codegen.cute import module
+    from flexfa.frontend.bound import trace_call_score_mod
 
     configure_arch(arch)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    score = _trace_score_mod(score_mod, num_heads, torch.device("cpu"))
+    score = trace_call_score_mod(score_mod, num_heads, torch.device("cpu"))
     mask = resolve_block_mask(mask_mod, 1, num_heads, 1, 1, torch.device("cpu")).mask
     mask = None if mask.is_trivially_true else mask
     slots = score.grad_slots() if score is not None else frozenset()

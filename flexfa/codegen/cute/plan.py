@@ -29,7 +29,7 @@ from typing import Literal
 
 import torch
 
-from flexfa.blockmask.analysis import _Static
+from flexfa.blockmask.analysis import Static
 from flexfa.blockmask.block_mask import BlockSize, TileState
 from flexfa.blockmask.build import classify
 from flexfa.blockmask.exact import evaluate_mask
@@ -38,6 +38,26 @@ from flexfa.blockmask.lines import Sig
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir import build
 from flexfa.ir.nodes import Node, Op, toposort
+
+# Head dims at which flexfa's GPU tests verified FA4's sm90 backward, with and without a
+# score_mod (Note [Backward with a score_mod] in flexfa/codegen/cute/backend.py).
+SM90_BACKWARD_HEAD_DIMS = (64, 96, 128, 192, 256)
+
+
+def backward_head_dim(head_dim: int, head_dim_v: int, arch_major: int | None) -> int | None:
+    """The head dim FA4's backward runs this call at, zero-padded (Note [Padded backward] in
+    flexfa/codegen/cute/backend.py), or None where it runs at the call's own head dims. sm90 only:
+    FA4's authors test its Blackwell backward, which no flexfa machine can run.
+
+    >>> backward_head_dim(80, 80, 9), backward_head_dim(128, 64, 9), backward_head_dim(64, 64, 9)
+    (96, 128, None)
+    """
+    if arch_major != 9:
+        return None
+    if head_dim == head_dim_v and head_dim in SM90_BACKWARD_HEAD_DIMS:
+        return None
+    return min(d for d in SM90_BACKWARD_HEAD_DIMS if d >= max(head_dim, head_dim_v))
+
 
 LoweringKind = Literal["full", "causal", "window", "rows", "mask_mod"]
 
@@ -75,7 +95,7 @@ def allowed_distances(mask: TracedMod, len_q: int, len_kv: int) -> torch.Tensor 
     if mask.variables - {"q_idx", "kv_idx"}:
         return None
     grid = TileGrid(1, 1, len_q, len_kv, BlockSize(128, 128), torch.device("cpu"))
-    sig = _Static(mask.output, grid).sig[id(mask.output)]
+    sig = Static(mask.output, grid).sig[id(mask.output)]
     if sig not in (Sig.D, Sig.NONE):
         return None
     device = mask.tensors[0].device if mask.tensors else torch.device("cpu")

@@ -1,7 +1,7 @@
-"""The "triton" backend: generated fused forward and backward kernels.
+"""The Triton kernels of a call: generated fused forward and backward kernels, planned and launched.
 
-`TritonBackend.run` builds a `Launcher` (module + configs + launch arguments) and runs it through
-an autograd Function. Kernels come from `module.load_module` (rendered from the templates, cached);
+`run` builds a `Launcher` (module + configs + launch arguments) and runs it through an autograd
+Function; the "triton" backend (flexfa/backends/triton.py) says which calls it takes. Kernels come from `module.load_module` (rendered from the templates, cached);
 see templates/*.jinja for the kernels themselves.
 """
 
@@ -15,28 +15,26 @@ from typing import Any
 
 import torch
 
-from flexfa.backends.base import Backend, Support, register
 from flexfa.blockmask.block_mask import BlockList, BlockMask
 from flexfa.codegen.triton import autotune, decode, emit
 from flexfa.codegen.triton import configs as cfgs
-from flexfa.codegen.triton.launch import (
+from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
+from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
+from flexfa.frontend.trace import TracedMod
+from flexfa.layout import empty_like_query
+from flexfa.runtime.launch import (
     KernelLaunch,
     concurrent_enabled,
     launch,
     prewarm,
     warm_up,
 )
-from flexfa.codegen.triton.params import BwdConfig, FwdConfig, KernelKey
-from flexfa.codegen.triton.plan import Plan, make_plan, plan_key, plans
-from flexfa.config import config
-from flexfa.frontend.trace import TracedMod
-from flexfa.layout import empty_like_query
-from flexfa.persist import persistent
+from flexfa.runtime.persist import persistent
 from flexfa.spec import AttentionSpec
 
 log = logging.getLogger("flexfa")
 
-_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 _COMPILE_LOG_SECONDS = 1.0
 
@@ -576,7 +574,7 @@ class _TritonFunction(torch.autograd.Function):
 _options_checked: dict[tuple, str | None] = {}
 
 
-def _options_problem(spec: AttentionSpec) -> str | None:
+def options_problem(spec: AttentionSpec) -> str | None:
     """Why kernel_options cannot apply to this call, or None; remembered per distinct options
     (decode steps call this every few microseconds of GPU time)."""
     try:
@@ -598,72 +596,18 @@ def _options_problem(spec: AttentionSpec) -> str | None:
     return problem
 
 
-def _score_tensors(spec: AttentionSpec) -> tuple[torch.Tensor, ...]:
-    return tuple(
+def run(spec: AttentionSpec, q, k, v):
+    """A call on the Triton kernels: the decode kernels where they apply (decode.py), else the
+    attention kernels, under autograd when the call needs gradients."""
+    if decode.applies(spec):
+        return decode.run(spec, q, k, v)
+    launcher = Launcher(spec)
+    score_tensors = tuple(
         t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
     )
-
-
-class TritonBackend(Backend):
-    """Generated Triton kernels (CUDA; on CPU only under TRITON_INTERPRET=1)."""
-
-    name = "triton"
-    auto_device_types = frozenset({"cuda"})
-    supports_paged = True  # through the decode kernels (flexfa/codegen/triton/decode.py)
-
-    def supports(self, spec: AttentionSpec) -> Support:
-        if spec.device.type != "cuda" and not (
-            spec.device.type == "cpu" and config.triton_interpret
-        ):
-            return Support.no(
-                f"inputs are on {spec.device.type}; Triton kernels run on CUDA GPUs "
-                "(or on the CPU under TRITON_INTERPRET=1, for testing)"
-            )
-        if spec.dtype not in _SUPPORTED_DTYPES:
-            return Support.no(
-                f"dtype {spec.dtype} is not supported (float16, bfloat16, float32 are)"
-            )
-        if spec.dtype == torch.bfloat16 and spec.device.type == "cpu":
-            # Seen with Triton 3.9: its interpreter multiplies bfloat16 tiles incorrectly in tl.dot.
-            return Support.no("Triton's interpreter computes bfloat16 dot products incorrectly")
-        if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
-            return Support.no(f"head dims above {MAX_HEAD_DIM} are not supported")
-        reason = cfgs.supports_block_size(spec.block_mask.block_size)
-        if reason:
-            return Support.no(reason)
-        reason = _options_problem(spec)
-        if reason:
-            return Support.no(reason)
-        if spec.paged is not None and spec.max_scores:
-            return Support.no("the decode kernels that read paged caches write no max_scores")
-        return Support.yes()
-
-    def forward(self, spec, q, k, v):
-        launcher = Launcher(spec)
-        out, lse = launcher.forward(q, k, v, _score_tensors(spec))
-        return out, lse, launcher.saved_out, launcher.max_scores
-
-    def backward(self, spec, q, k, v, saved, lse, dout, dlse, grad_slots):
-        launcher = Launcher(spec)
-        dq, dk, dv, grads = launcher.backward(
-            q, k, v, saved, lse, dout, dlse, _score_tensors(spec), grad_slots
-        )
-        tensors = spec.score_mod.tensors if spec.score_mod is not None else ()
-        return dq, dk, dv, {i: g.to(tensors[i].dtype) for i, g in grads.items()}
-
-    def run(self, spec, q, k, v):
-        if decode.applies(spec):
-            return decode.run(spec, q, k, v)
-        launcher = Launcher(spec)
-        score_tensors = tuple(
-            t.contiguous() for t in (spec.score_mod.tensors if spec.score_mod is not None else ())
-        )
-        if spec.needs_grad:
-            out, lse, max_scores = _TritonFunction.apply(launcher, q, k, v, *score_tensors)
-            return (out, lse, max_scores) if spec.max_scores else (out, lse)
-        with torch.no_grad():
-            out, lse = launcher.forward(q, k, v, score_tensors)
-            return (out, lse, launcher.max_scores) if spec.max_scores else (out, lse)
-
-
-register(TritonBackend())
+    if spec.needs_grad:
+        out, lse, max_scores = _TritonFunction.apply(launcher, q, k, v, *score_tensors)
+        return (out, lse, max_scores) if spec.max_scores else (out, lse)
+    with torch.no_grad():
+        out, lse = launcher.forward(q, k, v, score_tensors)
+        return (out, lse, launcher.max_scores) if spec.max_scores else (out, lse)

@@ -13,10 +13,10 @@ from typing import Any
 
 import torch
 
-from flexfa import diskcache
 from flexfa.blockmask.block_mask import BlockSize
 from flexfa.codegen.triton.params import BwdConfig, FwdConfig
 from flexfa.config import config
+from flexfa.runtime import diskcache
 
 log = logging.getLogger("flexfa")
 
@@ -178,7 +178,8 @@ def supports_block_size(block_size: BlockSize) -> str | None:
 # -- tuned results on disk -----------------------------------------------------------------------
 
 
-TUNING_FILE = "tuning.json"  # in the "triton" cache (Note [Disk caches] in flexfa/diskcache.py)
+# In the "triton" cache (Note [Disk caches] in flexfa/runtime/diskcache.py).
+TUNING_FILE = "tuning.json"
 
 _tuned_files: dict[str, dict] = {}  # cache location -> contents, read once per process
 

@@ -40,12 +40,12 @@ from flexfa.codegen.triton.decode_configs import (
     default_config,
     row_tile,
 )
-from flexfa.codegen.triton.launch import DirectLaunch, KernelLaunch, current_raw_stream, launch
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import KernelKey, ModuleKey
 from flexfa.codegen.triton.plan import plan_key
 from flexfa.layout import empty_like_query
-from flexfa.persist import persistent
+from flexfa.runtime.launch import DirectLaunch, KernelLaunch, current_raw_stream, launch
+from flexfa.runtime.persist import persistent
 from flexfa.spec import AttentionSpec
 
 #: The longest query the decode path takes by default (longer ones use the attention kernel).
@@ -156,7 +156,7 @@ def _capability(device: torch.device) -> tuple[int, int] | None:
 
 # Note [fp8 K/V in float16 dots]
 # On the H200 the fp8 decode took as long as the bfloat16 one (docs/performance.md), though it
-# reads half the bytes. Its PTX for sm_90 (Triton compiled without a GPU: bench/fp8_ptx.py) shows
+# reads half the bytes. Its PTX for sm_90 (Triton compiled without a GPU, by a one-off script: bench/fp8_ptx.py in git history) shows
 # why: converting a K/V element from float8_e4m3fn to bfloat16 takes half a `cvt.rn.f16x2.e4m3x2`
 # (two elements) and a whole `cvt.bf16.f16`, 1.5 conversions per element, for 128 + 256 of them
 # per K and V tile and thread; at Hopper's conversion rate that is about as many elements per

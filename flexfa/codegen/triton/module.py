@@ -7,7 +7,7 @@
 #     captures need gradients, a hash of the templates, and the flexfa/triton/torch versions), kept
 #     in memory and on disk under `<cache>/triton/<digest>/kernels.py` with a `key.json`
 #     describing the key. The disk copy is executed only when it is byte for byte what `render`
-#     produces now, and the cache never stops a call (Note [Disk caches] in flexfa/diskcache.py).
+#     produces now, and the cache never stops a call (Note [Disk caches] in flexfa/runtime/diskcache.py).
 #   - Triton's: compiled binaries per specialization (tile sizes, dtypes, head dims and alignment),
 #     keyed by Triton from the source text and constexprs, in Triton's cache directory. Because the
 #     source is byte-identical across processes, a second process finds its binaries there and
@@ -28,12 +28,11 @@ from pathlib import Path
 
 import jinja2
 
-from flexfa import diskcache
-from flexfa.codegen import jinja
 from flexfa.codegen.triton import emit
 from flexfa.codegen.triton.params import ModuleKey, TemplateParams
 from flexfa.config import config
 from flexfa.frontend.trace import TracedMod
+from flexfa.runtime import diskcache, jinja
 
 log = logging.getLogger("flexfa")
 
@@ -77,7 +76,7 @@ def _versions() -> tuple[str, str, str]:
     import torch
     import triton
 
-    from flexfa import __version__
+    from flexfa.version import __version__
 
     return __version__, triton.__version__, torch.__version__
 

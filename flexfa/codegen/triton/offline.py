@@ -4,10 +4,12 @@ Triton's compiler runs on any machine; only launching needs a device. `compile_l
 `KernelLaunch` (what the backend would launch) and compiles the same kernel and specialization for,
 say, sm_90, returning Triton's compiled kernel with its `asm` dict (ttir, ttgir, llir, ptx, cubin).
 Tests use it to catch compile errors in CI, where there is no GPU, and
-`python -m flexfa export --ptx` uses it to write PTX next to the source.
+`python -m flexfa export --ptx` uses it to write PTX next to the source. `compile_spec` compiles
+every kernel of a call's spec; `flexfa.export.compile_call` builds that spec from q, k, v and the
+mods as `flexfa.attention` does:
 
 >>> import torch, flexfa
->>> from flexfa.codegen.triton.offline import compile_call  # doctest: +SKIP
+>>> from flexfa.export import compile_call  # doctest: +SKIP
 >>> kernels = compile_call(q, k, v, score_mod=flexfa.mods.alibi, arch=90)  # doctest: +SKIP
 """
 
@@ -18,7 +20,8 @@ from typing import Any
 
 import torch
 
-from flexfa.codegen.triton.launch import KernelLaunch
+from flexfa.runtime.launch import KernelLaunch
+from flexfa.spec import AttentionSpec
 
 log = logging.getLogger("flexfa")
 
@@ -145,24 +148,12 @@ def meta_device_launches(
     return launches
 
 
-def compile_call(
-    q,
-    k,
-    v,
-    score_mod=None,
-    block_mask=None,
-    *,
-    arch: int = 90,
-    with_backward: bool = True,
-    **kwargs,
-):
-    """Compile every kernel `flexfa.attention(q, k, v, ...)` would launch, for `sm_<arch>`.
+def compile_spec(spec: AttentionSpec, *, arch: int = 90, with_backward: bool = True) -> dict:
+    """Compile every kernel a call described by `spec` would launch, for `sm_<arch>`.
 
-    Returns {launch name: CompiledKernel}. q, k, v may be CPU tensors: nothing runs.
+    Returns {launch name: CompiledKernel}; nothing runs. `flexfa.export.compile_call` builds the
+    spec from q, k, v and the mods as `flexfa.attention` would.
     """
-    from flexfa.api import build_spec
-
-    spec = build_spec(q, k, v, score_mod, block_mask, **kwargs)
     launches = meta_device_launches(
         spec, capability=(arch // 10, arch % 10), with_backward=with_backward
     )

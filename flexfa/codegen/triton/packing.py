@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from flexfa.codegen.triton.launch import compiling_in_background, direct_default, launch_default
+from flexfa.runtime.launch import compiling_in_background, direct_default, launch_default
 
 BLOCK = 1024  # tokens per program
 _CONSTEXPRS = {"BLOCK": BLOCK}
@@ -70,7 +70,7 @@ def positions(cu: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, total: int
     args = (cu, seq, pos, total, num_seqs, top, steps)
     if direct_default(flexfa_packed_positions, _CONSTEXPRS).try_call(grid, args):
         return True
-    from flexfa.blockmask.packed_fused import specialization
+    from flexfa.codegen.triton.blockmask.packed_fused import specialization
 
     fast_key = (id(flexfa_packed_positions), str(cu.device), specialization(args))
     label = "packed positions"

@@ -10,7 +10,7 @@ import pytest
 
 from flexfa.codegen.cute import jitcache
 from flexfa.config import config
-from flexfa.diskcache import CacheWarning
+from flexfa.runtime.diskcache import CacheWarning
 
 
 class Store(dict):

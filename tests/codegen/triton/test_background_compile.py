@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from flexfa.codegen.triton import launch as launch_mod
 from flexfa.config import config
+from flexfa.runtime import launch as launch_mod
 
 
 class FakeCompiled:

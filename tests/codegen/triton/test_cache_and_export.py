@@ -207,7 +207,7 @@ def test_golden_generated_source(name):
 _COMPILE_CHILD = textwrap.dedent(
     """
     import json, torch, flexfa
-    from flexfa.codegen.triton.offline import compile_call
+    from flexfa.export import compile_call
     table = torch.zeros(4, 65, requires_grad=True)
     q = torch.empty(1, 4, 256, 64, dtype=torch.bfloat16, requires_grad=True)
     k = torch.empty(1, 2, 256, 64, dtype=torch.bfloat16, requires_grad=True)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.codegen.triton import workers
 from flexfa.codegen.triton.offline import _specialized_source, meta_device_launches
+from flexfa.runtime import workers
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import threading
 import pytest
 
 import flexfa
-from flexfa.codegen.triton import launch as tlaunch
 from flexfa.codegen.triton.params import FwdConfig, KernelKey, ModuleKey
+from flexfa.runtime import launch as tlaunch
 
 _alive: list = []
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flexfa.codegen.triton import launch as launch_mod
-from flexfa.codegen.triton.launch import DirectLaunch
 from flexfa.config import config
+from flexfa.runtime import launch as launch_mod
+from flexfa.runtime.launch import DirectLaunch
 
 
 class FakeCompiled:
@@ -94,8 +94,8 @@ def test_constexprs_not_last_or_interpreter_always_use_the_jit(compiled_mode):
 def test_launch_goes_direct_after_the_first_launch(compiled_mode):
     """`launch` (every Triton launch of the attention kernels) logs and runs the first launch of a
     specialization through the JIT function, and later ones through a cached DirectLaunch."""
-    from flexfa.codegen.triton.launch import KernelLaunch
     from flexfa.codegen.triton.params import KernelKey
+    from flexfa.runtime.launch import KernelLaunch
 
     jit = FakeJit()
     key = KernelKey(None, "k", "bf16", 64, 64, None, (("BLOCK", 64), ("EVEN", True)))

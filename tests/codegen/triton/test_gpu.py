@@ -142,7 +142,7 @@ import json, logging, sys
 import torch
 import flexfa
 from flexfa import masks as fm
-from flexfa.codegen.triton import launch
+from flexfa.runtime import launch
 
 records = []
 handler = logging.Handler()
@@ -204,7 +204,8 @@ _COLD_TRAINING_STEP = r"""
 import dataclasses, json
 import torch
 import flexfa
-from flexfa.codegen.triton import launch, workers
+from flexfa.runtime import workers
+from flexfa.runtime import launch
 
 q, k, v = (torch.randn(1, 4, 1000, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
            for _ in range(3))

@@ -16,6 +16,7 @@ from tests.e2e import layouts
 from tests.e2e.harness import INTERPRETER_TILES as TILES
 from tests.e2e.harness import Problem, check_attention, maker
 from tests.mods import MASK_MODS, SCORE_MODS, mask_mod, score_mod
+from tests.tiers import sweep
 
 SCORE_PROBLEM = Problem(
     batch=2, heads_q=4, heads_kv=2, len_q=37, len_kv=45, head_dim=16, head_dim_v=24
@@ -25,7 +26,9 @@ MASK_PROBLEM = Problem(
 )
 
 
-@pytest.mark.parametrize("i", range(len(SCORE_MODS)), ids=[e.name for e in SCORE_MODS])
+@pytest.mark.parametrize(
+    "i", sweep(range(len(SCORE_MODS)), keep=3), ids=[e.name for e in SCORE_MODS]
+)
 def test_score_mods(i):
     entry = SCORE_MODS[i]
     p = SCORE_PROBLEM
@@ -41,7 +44,7 @@ def test_score_mods(i):
     )
 
 
-@pytest.mark.parametrize("i", range(len(MASK_MODS)), ids=[e.name for e in MASK_MODS])
+@pytest.mark.parametrize("i", sweep(range(len(MASK_MODS)), keep=3), ids=[e.name for e in MASK_MODS])
 def test_mask_mods(i):
     entry = MASK_MODS[i]
     p = MASK_PROBLEM

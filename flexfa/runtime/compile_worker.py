@@ -45,7 +45,7 @@ def write_frame(stream, obj) -> None:
     stream.flush()
 
 
-# `_SourceLoader` and `_module` do what flexfa.diskcache's `run_source` does; the worker cannot import
+# `_SourceLoader` and `_module` do what flexfa.runtime.diskcache's `run_source` does; the worker cannot import
 # it (importing flexfa imports torch, which would cost the worker seconds of start-up), and the two
 # must execute a module the same way, or Triton would hash its kernels differently.
 class _SourceLoader:

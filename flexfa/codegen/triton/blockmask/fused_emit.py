@@ -1,12 +1,12 @@
 """The fused block-mask kernel's source: the mask's TWO nodes as Triton code that mirrors
 `flexfa.blockmask.intervals` one function at a time, the witnesses, and the rendered module
-(Note [Fused analysis] in flexfa/blockmask/fused.py)."""
+(Note [Fused analysis] in flexfa/codegen/triton/blockmask/fused.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from flexfa.blockmask.analysis import _independent
+from flexfa.blockmask.analysis import independent
 from flexfa.blockmask.fused_plan import (
     How,
     Input,
@@ -115,7 +115,7 @@ class _Emitter:
         return self._transfer(v, n)
 
     def _kernel_line(self, v: str, n: Node) -> _T | _I:
-        """`_Line.abstract` over each tile's block, evaluated here: the node's device function at
+        """`Line.abstract` over each tile's block, evaluated here: the node's device function at
         every position of the block (and the next one, for the steps)."""
         fn = f"line_{v}"
         self.functions.append((fn, n))
@@ -210,7 +210,7 @@ class _Emitter:
                 return self._truth(v, f"{x.v}_f", f"{x.v}_t", f"{x.v}_b")
             return x
         st = self.plan.static
-        indep = _independent(st.sig[id(n.srcs[0])], st.sig[id(n.srcs[1])])
+        indep = independent(st.sig[id(n.srcs[0])], st.sig[id(n.srcs[1])])
         return self._compare(v, n.op, a, b, indep)
 
     def _logic(self, v: str, op: Op, a: _T, b: _T) -> _T:
@@ -326,8 +326,8 @@ def emit_body(
 
 def render_module(template: str, functions: str, **values: object) -> str:
     """The module: the prelude, `functions` (device functions), then `template` rendered."""
-    from flexfa import __version__
     from flexfa.codegen.triton import module
+    from flexfa.version import __version__
 
     env = module.jinja_environment()
     kernel = env.get_template(template).render(**values)

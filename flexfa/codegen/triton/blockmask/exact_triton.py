@@ -8,7 +8,7 @@ to the tile's state. Memory is the list of tiles and one byte per tile; nothing 
 Generated modules are cached in memory and on disk under `<cache>/blockmask/`, keyed by the mask's
 IR digest, the kernel and emitter sources and the versions (as Note [Compile cache] in
 flexfa/codegen/triton/module.py describes for the attention kernels), by the rules of
-Note [Disk caches] in flexfa/diskcache.py.
+Note [Disk caches] in flexfa/runtime/diskcache.py.
 
 Loads are guarded as everywhere in flexfa (Note [Loads out of bounds]), but this kernel does not
 report out-of-bounds reads at allowed pairs; the CPU tier does.
@@ -25,10 +25,10 @@ import types
 
 import torch
 
-from flexfa import diskcache
 from flexfa.blockmask.grid import TileGrid, TileList
-from flexfa.codegen.triton.launch import runtime_ready
 from flexfa.frontend.trace import TracedMod
+from flexfa.runtime import diskcache
+from flexfa.runtime.launch import runtime_ready
 
 # The kernel; `{mask_fn}`, `{capture_params}` and `{capture_args}` are filled from the emitted
 # mask function (names only: no logic is generated here).
@@ -105,8 +105,8 @@ def _sources_digest() -> str:
 
 
 def _render(mask: TracedMod) -> str:
-    from flexfa import __version__
     from flexfa.codegen.triton import emit, module
+    from flexfa.version import __version__
 
     fn = emit.emit_mod(mask, f"mask_mod_{mask.name}")
     names = [f"mm_{p}" for p in fn.params]
@@ -127,7 +127,7 @@ def load_kernel(mask: TracedMod):
     """The `flexfa_classify_tiles` kernel for `mask` (rendered, written and imported once)."""
     import triton
 
-    from flexfa import __version__
+    from flexfa.version import __version__
 
     key = _Key(mask.key, _sources_digest(), __version__, triton.__version__)
     digest = key.digest

@@ -8,14 +8,13 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
 
-from flexfa.codegen.triton import workers
-from flexfa.codegen.triton.params import KernelKey
 from flexfa.config import config
+from flexfa.runtime import workers
 
 log = logging.getLogger("flexfa")
 
@@ -37,7 +36,7 @@ class KernelLaunch:
     constexprs: dict[str, Any]
     num_warps: int
     num_stages: int
-    key: KernelKey
+    key: Hashable  # the generator's key of the kernel (codegen/triton/params.py: KernelKey)
     label: str
 
     def arg_names(self) -> list[str]:
@@ -135,7 +134,7 @@ class ArgStandIn:
 # Triton specializes on, its dtype and the alignment of its address, so `_submit` hands the pool
 # `ArgStandIn`s (Triton takes any object with `dtype` and `data_ptr()` as a pointer argument, as
 # its own `MockTensor`), and the tensors are freed when their caller lets them go. On the H200
-# (Triton 3.6) `python bench/prewarm_check.py` found every backward kernel compiled once, on the
+# (Triton 3.6) a one-off check (bench/prewarm_check.py, in git history) found every backward kernel compiled once, on the
 # pool, and none compiled again at its launch: the stand-ins give the launches' specializations.
 
 

@@ -47,19 +47,19 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from flexfa.blockmask import fused
 from flexfa.blockmask.block_mask import BlockMask
-from flexfa.blockmask.fused_emit import emit_body, render_module
 from flexfa.blockmask.fused_plan import How, KernelLineInput, PrefixInput, load_in_bounds, plan_for
 from flexfa.blockmask.grid import TileGrid
-from flexfa.blockmask.lines import Sig, _Line
+from flexfa.blockmask.lines import Line, Sig
 from flexfa.codegen.triton import packing as positions
+from flexfa.codegen.triton.blockmask import fused
+from flexfa.codegen.triton.blockmask.fused_emit import emit_body, render_module
 from flexfa.codegen.triton.emit import capture_values
-from flexfa.codegen.triton.launch import compiling_in_background, direct_default, launch_default
 from flexfa.frontend.trace import TracedMod
+from flexfa.runtime.launch import compiling_in_background, direct_default, launch_default
 
 if TYPE_CHECKING:
-    from flexfa.varlen import Packing
+    from flexfa.blockmask.packed import Packing
 
 log = logging.getLogger("flexfa")
 
@@ -123,7 +123,7 @@ def _make(inner: TracedMod | None, rel: TileGrid) -> Kernel:
         return _unsupported(plan.reason)
     args = fused._Args(rel)
     inputs: dict[int, tuple[object, tuple[str, ...]]] = {}
-    lines: dict[Sig, _Line] = {}
+    lines: dict[Sig, Line] = {}
     for step in plan.steps:
         n, sig = step.node, plan.static.sig[id(step.node)]
         if step.how is How.LINE:
@@ -135,7 +135,7 @@ def _make(inner: TracedMod | None, rel: TileGrid) -> Kernel:
         elif step.how is How.PREFIX:
             line = lines.get(sig)
             if line is None:
-                line = lines[sig] = _Line(sig, inner, rel)
+                line = lines[sig] = Line(sig, inner, rel)
             if line.evaluator.out_of_bounds is not None:
                 return _unsupported("a line that may read out of bounds")
             prefix = fused.prefix_sums(line, n, rel.device)

@@ -31,7 +31,7 @@
 # key them by the one it read first (on an H200, a worker following every TRITON_ variable gave one
 # such mismatch in the four jobs after torch.compile's call, and the workers were given up; where
 # the workers start only after torch.compile moved the path, the same mismatch can happen, and the
-# warning says so). `python bench/compile_workers.py` on an H200 (cold flexfa training calls, a
+# warning says so). A one-off script (bench/compile_workers.py, in git history) on an H200 (cold flexfa training calls, a
 # torch.compile'd FlexAttention call, then flexfa calls with new kernels): with the cache directory
 # followed, none of the later kernels went to the old directory; before, 8 entries did, each
 # compiled again by the process. A worker that fails or
@@ -61,8 +61,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from flexfa.codegen.triton.compile_worker import read_frame, write_frame
 from flexfa.config import config
+from flexfa.runtime.compile_worker import read_frame, write_frame
 
 log = logging.getLogger("flexfa")
 

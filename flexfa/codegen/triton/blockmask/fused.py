@@ -15,7 +15,7 @@ device operations.
 #   only are evaluated exactly along their line, as in the analysis. A bool of q_idx - kv_idx
 #   (causal, sliding windows, ...) is passed as prefix sums of its values, and the kernel counts
 #   the allowed positions of each tile's range of q_idx - kv_idx itself: O(1) per tile. Other
-#   line nodes are summarized per block by `_Line.abstract` (O(N) work) and passed as tensors
+#   line nodes are summarized per block by `Line.abstract` (O(N) work) and passed as tensors
 #   that broadcast over the tile grid.
 # - Everything else (the TWO nodes: affine bounds, comparisons of two affine integers, three-valued
 #   logic, comparisons of bounded values) is emitted as straight-line Triton code that mirrors
@@ -47,9 +47,7 @@ import types
 
 import torch
 
-from flexfa import diskcache
 from flexfa.blockmask.block_mask import BlockMask
-from flexfa.blockmask.fused_emit import render
 from flexfa.blockmask.fused_plan import (
     How,
     Input,
@@ -62,10 +60,12 @@ from flexfa.blockmask.fused_plan import (
 )
 from flexfa.blockmask.grid import TileGrid, TileSet
 from flexfa.blockmask.intervals import Interval, Truth
-from flexfa.blockmask.lines import Sig, _Line
+from flexfa.blockmask.lines import Line, Sig
+from flexfa.codegen.triton.blockmask.fused_emit import render
 from flexfa.codegen.triton.emit import capture_values
-from flexfa.codegen.triton.launch import compiling_in_background, run_logged
 from flexfa.frontend.trace import TracedMod
+from flexfa.runtime import diskcache
+from flexfa.runtime.launch import compiling_in_background, run_logged
 
 log = logging.getLogger("flexfa")
 
@@ -132,7 +132,7 @@ def _kernel(source: str, digest: str, entry: str = "lists", kernel: str = "flexf
     return getattr(mod, kernel)
 
 
-def prefix_sums(line: _Line, node, device: torch.device) -> torch.Tensor:
+def prefix_sums(line: Line, node, device: torch.device) -> torch.Tensor:
     """The prefix sums of a bool of q_idx - kv_idx along its line, int32 [b, h, U + 1]."""
     values = line.value(node)
     prefix = torch.zeros(*values.shape[:-1], values.shape[-1] + 1, dtype=torch.int32, device=device)
@@ -151,8 +151,8 @@ def clear_memory_cache() -> None:
 def _versions() -> str:
     import triton
 
-    from flexfa import __version__
     from flexfa.codegen.triton.module import TEMPLATE_DIR
+    from flexfa.version import __version__
 
     h = hashlib.sha256((TEMPLATE_DIR / "block_lists.py.jinja").read_bytes())
     return f"{__version__}:{triton.__version__}:{h.hexdigest()[:16]}"
@@ -188,7 +188,7 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
         return None
     args = _Args(grid)
     inputs: dict[int, tuple[Input, tuple[str, ...]]] = {}
-    lines: dict[Sig, _Line] = {}
+    lines: dict[Sig, Line] = {}
     ts: TileSet | None = None
     for step in plan.steps:
         n = step.node
@@ -202,7 +202,7 @@ def build(mask: TracedMod, grid: TileGrid) -> BlockMask | None:
             continue
         line = lines.get(sig)
         if line is None:
-            line = lines[sig] = _Line(sig, mask, grid)
+            line = lines[sig] = Line(sig, mask, grid)
         if step.how is How.PREFIX:
             prefix = prefix_sums(line, n, grid.device)
             inputs[id(n)] = (PrefixInput(), (args.prefix_tensor(prefix),))

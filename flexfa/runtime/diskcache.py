@@ -355,7 +355,7 @@ class _SourceLoader:
         return None
 
     def exec_module(self, module) -> None:  # pragma: no cover - modules are executed by `run`
-        raise ImportError("flexfa generated modules are executed by flexfa.diskcache")
+        raise ImportError("flexfa generated modules are executed by flexfa.runtime.diskcache")
 
 
 def run_source(source: str, filename: str, name: str) -> types.ModuleType:
