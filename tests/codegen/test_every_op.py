@@ -15,10 +15,10 @@ import torch.nn.functional as F
 import flexfa
 from flexfa.api import build_spec
 from flexfa.backends import fa4
+from flexfa.backends.triton import TritonBackend
 from flexfa.codegen.cute import emit as cute_emit
 from flexfa.codegen.cute import module as cute_module
 from flexfa.codegen.triton import module as triton_module
-from flexfa.codegen.triton.backend import TritonBackend
 from flexfa.ir.nodes import Op, toposort
 
 _TABLE = torch.rand(4, 3)
