@@ -1,4 +1,4 @@
-"""Training speed of learnable mods: gradients of captured tensors on the Triton backend (GPU only).
+"""Training speed of learnable mods: gradients of captured tensors (GPU only).
 
 For each case and shape it measures, in one process, the median time (`triton.testing.do_bench`)
 of the forward and of forward+backward with the mod's tensor frozen, the same with it learnable
@@ -20,6 +20,7 @@ Cases (every tensor per query head unless said otherwise):
     python bench/captured_grads.py
     python bench/captured_grads.py --cases relbias,t5 --shapes 1x32x8x8192x128 --no-torch
     python bench/captured_grads.py --shapes 2x16x16x4096x64,1x16x16x16384x64
+    python bench/captured_grads.py --backend triton      # every call on the Triton kernels
 
 A shape is BxHqxHkvxNxD. Results go to stdout and, if $OUT is set, to $OUT/captured_grads.json.
 """
@@ -126,10 +127,20 @@ def bench_case(name: str, shape: tuple[int, int, int, int, int], args) -> dict:
         def call():
             return flexfa.attention(
                 q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
-                backend="triton", deterministic=deterministic,
+                backend=args.backend, deterministic=deterministic,
             )  # fmt: skip
 
         return call
+
+    def chosen(learnable: bool) -> str:
+        """The backend the call runs on (the last line of explain_backend: "auto: <name>")."""
+        tensor.requires_grad_(learnable)
+        if args.backend != "auto":
+            return args.backend
+        text = flexfa.explain_backend(
+            q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa
+        )  # fmt: skip
+        return text.strip().splitlines()[-1].split(":", 1)[1].strip()
 
     def fwd_bwd(fn, learnable: bool):
         def run():
@@ -149,6 +160,7 @@ def bench_case(name: str, shape: tuple[int, int, int, int, int], args) -> dict:
             fn()
             return do_bench(fn, warmup=args.warmup, rep=args.rep, return_mode="median")
 
+    rec["frozen_backend"], rec["learnable_backend"] = chosen(False), chosen(True)
     rec["fwd_ms"] = fwd(flexfa_call())
     rec["frozen_ms"] = fwd_bwd(flexfa_call(), learnable=False)
     rec["learnable_ms"] = fwd_bwd(flexfa_call(), learnable=True)
@@ -205,6 +217,8 @@ def print_table(records: list[dict]) -> None:
             f"{_ratio(r['frozen_ms'], r.get('deterministic_ms')):>8}"
             f"{_ratio(torch_ms, r['learnable_ms']):>8}"
         )
+        if r.get("frozen_backend") != r.get("learnable_backend"):
+            print(f"    frozen on {r['frozen_backend']}, learnable on {r['learnable_backend']}")
         if "torch_fails" in r:
             print(f"    torch flex fails: {r['torch_fails']}")
     print("times in ms (median); fwd+bwd except the fwd column; learnable/torch: tensor learnable")
@@ -217,6 +231,12 @@ def main() -> None:
     )
     ap.add_argument("--shapes", default=DEFAULT_SHAPES, help="comma-separated BxHqxHkvxNxD")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument(
+        "--backend",
+        default="auto",
+        help="flexfa's backend for every call (auto: what a user gets; the frozen call may then "
+        "run on fa4 and the learnable one on triton, both recorded)",
+    )
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip torch flex")
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false")
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
