@@ -102,8 +102,14 @@ def default_configs(
     return KernelConfigs(FwdConfig(64, 32, 4, 2), BwdConfig(32, 32, 32, 32, 4, 1))
 
 
-def for_pairwise_access(configs: KernelConfigs, *, loads: bool, scatters: bool) -> KernelConfigs:
+def for_pairwise_access(
+    configs: KernelConfigs, *, staged_loads: bool, gathers: bool, scatters: bool
+) -> KernelConfigs:
     """Smaller tiles and pipelines for mods that read or scatter per (q, kv) pair.
+
+    `staged_loads`: a per-pair load goes through Triton's software pipeliner; `gathers`: per-pair
+    loads that `flexfa_gather` reads itself (Note [Per-pair gathers] in emit.py); `scatters`: a
+    captured gradient is scattered per pair.
 
     # Note [Shared memory of per-pair loads and scatters]
     # A load whose index depends on both q_idx and kv_idx (bias[h, q_idx - kv_idx + c]) is a
@@ -111,14 +117,18 @@ def for_pairwise_access(configs: KernelConfigs, *, loads: bool, scatters: bool) 
     # shared memory once per stage, on top of the K/V buffers. Measured on an H100 with Triton 3.6:
     # the forward at D=64 with 128 x 128 tiles and 3 stages needed 245 KB (the limit is 227 KB),
     # and the dQ kernel's per-pair gradient scatter at 128 x 64, 3 stages, D=128 needed 233 KB.
-    # So with per-pair loads the KV tile is at most 64 columns and at most 2 stages deep, and with
-    # per-pair scatters the dQ tile is at most 64 rows.
+    # So with staged per-pair loads the KV tile is at most 64 columns and at most 2 stages deep,
+    # and with per-pair scatters the dQ tile is at most 64 rows. Gathers that `flexfa_gather`
+    # reads on CUDA take no shared memory and leave the stages alone, but each thread holds the
+    # offsets and values of its part of the tile on top of the scores: at 128 x 128 the forward
+    # of a T5 bucketed bias spilled 136 bytes per thread (Triton 3.6, sm_90, D=128), at 128 x 64
+    # none, so the forward's KV tile stays at most 64 columns for them too.
     """
     fwd, bwd = configs.fwd, configs.bwd
-    if loads:
-        fwd = dataclasses.replace(
-            fwd, block_n=min(fwd.block_n, 64), num_stages=min(fwd.num_stages, 2)
-        )
+    if staged_loads or gathers:
+        fwd = dataclasses.replace(fwd, block_n=min(fwd.block_n, 64))
+    if staged_loads:
+        fwd = dataclasses.replace(fwd, num_stages=min(fwd.num_stages, 2))
         bwd = dataclasses.replace(bwd, num_stages=min(bwd.num_stages, 2))
     if scatters:
         bwd = dataclasses.replace(bwd, block_m2=min(bwd.block_m2, 64))

@@ -44,6 +44,22 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #             the per-pair atomics; those spread over many entries, so contend little.
 # Pairs outside `live` contribute 0 and are left out of every test.
 #
+# Note [Per-pair gathers]
+# A load whose index depends on both q_idx and kv_idx (a relative-position table, T5 buckets, a
+# 2-D table, an additive dense mask) reads one element per score. As a `tl.load` inside the KV
+# loop it feeds the P @ V matmul, so Triton's software pipeliner turns it into per-element
+# `cp.async` copies staged through shared memory, one [rows, cols] buffer per stage: on sm_90
+# (Triton 3.6, D=128, causal) a relative bias's forward took 176 `cp.async` against 76 for ALiBi
+# and needed 128 x 64 tiles to fit, and a T5 bias's dK/dV kernel 225 KiB of shared memory. So
+# these loads go through `flexfa_gather` (templates/prelude.py.jinja), which on CUDA reads 16-
+# and 32-bit elements with `ld.global.nc` in inline PTX: the pipeliner only stages `tt.load`s,
+# so the gather becomes plain predicated loads into registers (through the read-only cache; the
+# tables are not written while a kernel reads them), as FA4's hand-written mods read theirs. The
+# same forward then takes 44 `cp.async` (the K/V tiles' only), 96 KiB of shared memory instead
+# of 128 KiB, and the backward keeps its 3 stages. The interpreter, ROCm and other element types
+# (bool, 8- and 64-bit) keep `tl.load`; `gathered_outside_pipeline` tells the tile planner which
+# loads are staged (Note [Shared memory of per-pair loads and scatters] in configs.py).
+#
 # Note [Deterministic captured gradients]
 # Floating-point atomics add in whatever order programs arrive, so float gradients of captured
 # tensors differ in the last bits from run to run. With `deterministic=True` they are accumulated in
@@ -122,6 +138,7 @@ _INFIX = {
 
 # Which helper functions (in templates/prelude.py) a body may call.
 HELPERS = (
+    "flexfa_gather",
     "flexfa_tanh",
     "flexfa_sign",
     "flexfa_pow",
@@ -336,6 +353,8 @@ class _Body:
         # interpreter widens that `&` to an integer array). See Note [Loads out of bounds] in
         # flexfa/ir/evaluate.py for why loads are guarded at all.
         mask = " & ".join(guards)
+        if index_axes(n) == {"q_idx", "kv_idx"}:  # Note [Per-pair gathers]
+            return f"flexfa_gather({p.ptr}, {offset}, ({mask}) != 0).to({TL_DTYPE[n.dtype]})"
         return f"tl.load({p.ptr} + {offset}, mask=({mask}) != 0, other=0).to({TL_DTYPE[n.dtype]})"
 
 
@@ -452,6 +471,16 @@ def _times(body: _Body, derivative: Node) -> str:
     if derivative.op is Op.CONST and derivative.arg == 1.0:
         return "grad"
     return f"grad * {body.name(derivative)}"
+
+
+# The capture dtypes `flexfa_gather` reads with inline PTX on CUDA (Note [Per-pair gathers]).
+_ASM_GATHER_DTYPES = frozenset({DType.FLOAT32, DType.INT32, DType.FLOAT16, DType.BFLOAT16})
+
+
+def gathered_outside_pipeline(load: Node) -> bool:
+    """Whether a per-pair load is read by `flexfa_gather`'s inline PTX on CUDA, out of reach of
+    Triton's software pipeliner (Note [Per-pair gathers])."""
+    return load.srcs[0].arg.dtype in _ASM_GATHER_DTYPES
 
 
 def index_axes(load: Node) -> frozenset[str]:

@@ -119,9 +119,12 @@ def resolve_configs(
         capability, spec.head_dim, spec.dtype, has_partial=has_partial
     )
     if tuned is None and capability is not None:
-        loads, scatters = _pairwise_loads(spec), _scatters_full_tiles(spec)
-        if loads or scatters:
-            base = cfgs.for_pairwise_access(base, loads=loads, scatters=scatters)
+        staged, gathers = _pairwise_loads(spec, capability)
+        scatters = _scatters_full_tiles(spec)
+        if staged or gathers or scatters:
+            base = cfgs.for_pairwise_access(
+                base, staged_loads=staged, gathers=gathers, scatters=scatters
+            )
     chosen = cfgs.apply_options(base, spec.kernel_options)
     fitted = cfgs.fit_to_block_mask(chosen, spec.block_mask.block_size)
     if fitted is None:  # supports() has checked this; keep the invariant explicit
@@ -129,17 +132,25 @@ def resolve_configs(
     return fitted
 
 
-def _pairwise_loads(spec: AttentionSpec) -> bool:
-    """True if a mod loads per pair (a captured-tensor index depends on q_idx and kv_idx)."""
+def _pairwise_loads(spec: AttentionSpec, capability: tuple[int, int] | None) -> tuple[bool, bool]:
+    """Whether the mods load per pair (a captured-tensor index depends on q_idx and kv_idx)
+    through Triton's software pipeliner, which stages the gather through shared memory; and
+    whether they load per pair through `flexfa_gather`'s own reads on CUDA (Note [Per-pair
+    gathers] in emit.py)."""
     from flexfa.ir.nodes import Op, toposort
 
+    staged = gathers = False
     for mod in (spec.score_mod, spec.mask):
         if mod is None:
             continue
         for node in toposort([mod.output]):
-            if node.op is Op.LOAD and emit.index_axes(node) == {"q_idx", "kv_idx"}:
-                return True
-    return False
+            if node.op is not Op.LOAD or emit.index_axes(node) != {"q_idx", "kv_idx"}:
+                continue
+            if capability is not None and emit.gathered_outside_pipeline(node):
+                gathers = True
+            else:
+                staged = True
+    return staged, gathers
 
 
 def _scatters_full_tiles(spec: AttentionSpec) -> bool:

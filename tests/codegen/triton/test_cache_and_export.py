@@ -240,3 +240,59 @@ def test_kernels_compile_for_sm90_without_a_gpu(tmp_path):
         assert info["shared"] <= 227 * 1024, f"{name} needs {info['shared']} B of shared memory"
     # The attention matmuls run on the tensor cores (wgmma on sm_90).
     assert kernels["fwd"]["wgmma"] and kernels["bwd_dq"]["wgmma"]
+
+
+_GATHER_CHILD = textwrap.dedent(
+    """
+    import json, torch, flexfa
+    from flexfa.export import compile_call
+
+    N = 256
+    rel = torch.zeros(4, 2 * N + 1, requires_grad=True)      # float32, learnable
+    rel16 = torch.zeros(4, 2 * N + 1, dtype=torch.bfloat16)   # bfloat16, frozen
+    buckets = torch.zeros(N, N, dtype=torch.int32)            # an int32 index table
+    weights = torch.zeros(64)
+    allowed = torch.ones(N, N, dtype=torch.bool)              # bool: read with tl.load
+    cases = {
+        "float32": lambda s, b, h, q, kv: s + rel[h, q - kv + N],
+        "bfloat16": lambda s, b, h, q, kv: s + rel16[h, q - kv + N],
+        "int32_index": lambda s, b, h, q, kv: s + weights[buckets[q, kv] % 64],
+        "bool": lambda s, b, h, q, kv: torch.where(allowed[q, kv], s, -float("inf")),
+    }
+    out = {}
+    for name, mod in cases.items():
+        q = torch.empty(1, 4, N, 64, dtype=torch.bfloat16, requires_grad=True)
+        kernels = compile_call(q, q, q, mod, flexfa.masks.causal, arch=90)
+        out[name] = {
+            k: {"shared": c.metadata.shared, "nc": c.asm["ptx"].count("ld.global.nc")}
+            for k, c in kernels.items()
+        }
+    print(json.dumps(out))
+    """
+)
+
+
+def test_per_pair_gathers_compile_to_plain_loads(tmp_path):
+    """Per-pair loads of 16- and 32-bit tables are read with ld.global.nc in every attention kernel
+    (Note [Per-pair gathers] in flexfa/codegen/triton/emit.py); bool tables keep tl.load. All fit
+    in shared memory. The GPU suite runs the same kernels against the reference."""
+    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run(
+        [sys.executable, "-c", _GATHER_CHILD], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    found = json.loads(res.stdout.strip().splitlines()[-1])
+    for case, kernels in found.items():
+        for name, info in kernels.items():
+            assert info["shared"] <= 227 * 1024, (
+                f"{case} {name}: {info['shared']} B of shared memory"
+            )
+            if name == "bwd_preprocess":
+                continue
+            if case == "bool":
+                assert info["nc"] == 0, f"{case} {name} reads a bool table with inline PTX: {info}"
+            else:
+                assert info["nc"] > 0, f"{case} {name} gathers through tl.load: {info}"
+    # Two per-pair gathers (the index table, then the weights it indexes) read twice as much.
+    assert found["int32_index"]["fwd"]["nc"] == 2 * found["float32"]["fwd"]["nc"]

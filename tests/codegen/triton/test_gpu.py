@@ -137,6 +137,59 @@ def test_upstream_gradient_and_capture_layouts_on_gpu(i: int) -> None:
     check.assert_ok()
 
 
+@pytest.mark.parametrize("table_dtype", ["float32", "bfloat16", "float16", "int32_index"])
+@pytest.mark.parametrize("len_q", [1, 1000])
+def test_per_pair_gathers_on_gpu(table_dtype: str, len_q: int) -> None:
+    """Per-pair table reads through flexfa_gather's inline PTX (Note [Per-pair gathers] in
+    flexfa/codegen/triton/emit.py), for each element type it reads, in the prefill kernels with
+    their backward (float32 tables learnable) and in the decode kernels (one query)."""
+    dev = "cuda"
+    torch.manual_seed(0)
+    B, Hq, Hkv, L, D = 2, 4, 2, 1000, 64
+    q = torch.randn(B, Hq, len_q, D, device=dev, dtype=torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, L, D, device=dev, dtype=torch.bfloat16) for _ in range(2))
+    buckets = torch.randint(0, 97, (len_q, L), device=dev, dtype=torch.int32)
+    weights = torch.randn(97, device=dev)
+    leaf = torch.randn(Hq, len_q + L, device=dev)
+    if table_dtype == "float32":
+        leaf.requires_grad_()
+    dtype = torch.float32 if table_dtype == "int32_index" else getattr(torch, table_dtype)
+
+    def mod(table):
+        if table_dtype == "int32_index":
+            return lambda s, b, h, qi, kv: s + weights[buckets[qi, kv]]
+        return lambda s, b, h, qi, kv: s + table[h, qi - kv + L - 1]
+
+    def mask(b, h, qi, kv):
+        return qi + (L - len_q) >= kv
+
+    def run(attend, dt):
+        qq, kk, vv = (t.to(dt).requires_grad_() for t in (q, k, v))
+        table = leaf.to(dtype) if dtype != torch.float32 else leaf
+        out, lse = attend(qq, kk, vv, mod(table), mask)
+        if not leaf.requires_grad or len_q == 1:
+            return out, lse, ()
+        return out, lse, torch.autograd.grad(out, (qq, kk, vv, leaf), torch.ones_like(out))
+
+    def kernel(q, k, v, score_mod, mask_mod):
+        return flexfa.attention(
+            q, k, v, score_mod, mask_mod, enable_gqa=True, return_lse=True, backend="triton"
+        )
+
+    def reference(dt):
+        return lambda q, k, v, s, m: reference_attention(q, k, v, s, m, enable_gqa=True, dtype=dt)
+
+    got = run(kernel, torch.bfloat16)
+    eager = run(reference(torch.bfloat16), torch.bfloat16)
+    ref = run(reference(torch.float64), torch.float64)
+    check = ThreeWay(torch.bfloat16, context=f"table {table_dtype}, len_q {len_q}")
+    check("out", got[0], eager[0], ref[0])
+    check("lse", got[1], eager[1].float(), ref[1], atol=1e-3)
+    for name, a, e, r in zip(("dq", "dk", "dv", "dtable"), got[2], eager[2], ref[2]):
+        check(name, a, e, r)
+    check.assert_ok()
+
+
 _COLD_PROCESS = r"""
 import json, logging, sys
 import torch
