@@ -62,8 +62,10 @@ def load(args, implementation: str, device, dtype):
 
 def generate(model, prompt, new_tokens: int, device) -> tuple[torch.Tensor, float]:
     model.eval()
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
-    model.generate(prompt, max_new_tokens=2, do_sample=False)  # warm-up (compiles kernels)
+    # A batch of unpadded prompts: every position is real, and padding uses token 0.
+    common = dict(attention_mask=torch.ones_like(prompt), pad_token_id=0, do_sample=False)
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, **common)
+    model.generate(prompt, max_new_tokens=2, **common)  # warm-up (compiles kernels)
     _sync(device)
     start = time.perf_counter()
     out = model.generate(prompt, **kwargs)
