@@ -3,6 +3,7 @@
     python bench/transformers_models.py                       # everything (sized for about 8 minutes on an H200; not yet timed)
     python bench/transformers_models.py --parts prefill,generate --systems flexfa,sdpa
     python bench/transformers_models.py --model gemma2 --parts train
+    python bench/transformers_models.py --smoke             # tiny models, any device: checks the script
 
 Random-initialised models in bf16 (no download): Llama-3.2-1B's shape, and a Gemma2 shape of the
 same size (logit softcapping, sliding and full layers alternating). Parts:
@@ -30,6 +31,9 @@ import transformers
 
 import flexfa.integrations.transformers as flexfa_hf
 
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+SLIDING_WINDOW = 4096  # Gemma2's sliding layers
 SHAPE = dict(
     hidden_size=2048,
     intermediate_size=8192,
@@ -49,7 +53,7 @@ def config(model: str):
     if model == "gemma2":
         return transformers.Gemma2Config(
             **SHAPE,
-            sliding_window=4096,
+            sliding_window=SLIDING_WINDOW,
             attn_logit_softcapping=50.0,
             final_logit_softcapping=30.0,
             query_pre_attn_scalar=64,
@@ -61,26 +65,31 @@ def config(model: str):
 def load(model: str, system: str):
     torch.manual_seed(0)
     m = transformers.AutoModelForCausalLM.from_config(
-        copy.deepcopy(config(model)), attn_implementation=system, dtype=torch.bfloat16
+        copy.deepcopy(config(model)), attn_implementation=system, dtype=DTYPE
     )
-    return m.cuda().eval()
+    return m.to(DEVICE).eval()
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def timed(fn, repeat: int = 3) -> float:
     """Best wall time of `repeat` runs after one warm-up, seconds."""
     fn()
-    torch.cuda.synchronize()
+    _sync()
     best = float("inf")
     for _ in range(repeat):
         start = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        _sync()
         best = min(best, time.perf_counter() - start)
     return best
 
 
 def prefill(m, length: int) -> float:
-    ids = torch.randint(0, SHAPE["vocab_size"], (1, length), device="cuda")
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, length), device=DEVICE)
 
     def run():
         with torch.no_grad():
@@ -95,7 +104,7 @@ CACHES = ("dynamic", "static", "static+compile")
 
 
 def generate(m, batch: int, context: int, new: int, cache: str) -> float:
-    ids = torch.randint(0, SHAPE["vocab_size"], (batch, context), device="cuda")
+    ids = torch.randint(0, SHAPE["vocab_size"], (batch, context), device=DEVICE)
     setup = {}
     if cache != "dynamic":
         setup["cache_implementation"] = "static"
@@ -116,15 +125,17 @@ def generate(m, batch: int, context: int, new: int, cache: str) -> float:
 
 
 def packed_batch(total: int, seed: int = 0):
-    """ids (1, total) and position_ids restarting at each document (lengths 128..total/4)."""
+    """ids (1, total) and position_ids restarting at each document (lengths 128..total/4, or
+    total/8..total/4 for short totals)."""
     g = torch.Generator().manual_seed(seed)
     lengths, left = [], total
+    low = min(128, max(1, total // 8))
     while left > 0:
-        n = min(left, int(torch.randint(128, max(129, total // 4), (1,), generator=g)))
+        n = min(left, int(torch.randint(low, max(low + 1, total // 4), (1,), generator=g)))
         lengths.append(n)
         left -= n
-    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
-    ids = torch.randint(0, SHAPE["vocab_size"], (1, total), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(DEVICE)
+    ids = torch.randint(0, SHAPE["vocab_size"], (1, total), device=DEVICE)
     return ids, positions, len(lengths)
 
 
@@ -157,16 +168,31 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--train-len", type=int, default=16384)
     p.add_argument("--caches", default=",".join(CACHES), help=f"among {', '.join(CACHES)}")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny models and lengths on any device (the CPU too): checks that every part runs",
+    )
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    global DEVICE, DTYPE, SLIDING_WINDOW
+    if args.smoke:
+        SLIDING_WINDOW = 32
+        SHAPE.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128)  # fmt: skip
+        DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+        DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+        args.prefill_lens, args.generate_cases = "64", "2x48"
+        args.new_tokens, args.train_len = 4, 256
+    elif not torch.cuda.is_available():
         raise SystemExit(
-            "this benchmark needs a CUDA GPU (examples/transformers_llama.py runs on CPU)"
+            "this benchmark needs a CUDA GPU (--smoke runs tiny models on the CPU; "
+            "examples/transformers_llama.py too)"
         )
     flexfa_hf.register("flexfa")
     ints = lambda s: [int(x) for x in s.split(",") if x]
     parts = set(args.parts.split(","))
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, transformers "
-          f"{transformers.__version__}")  # fmt: skip
+    name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU"
+    print(f"{name}, torch {torch.__version__}, transformers {transformers.__version__}")
     for model in args.model.split(","):
         rows: dict[str, dict[str, float]] = {}
         for system in args.systems.split(","):
@@ -211,7 +237,8 @@ def main() -> None:
                 torch._dynamo.reset()
             del m
             gc.collect()
-            torch.cuda.empty_cache()
+            if DEVICE == "cuda":
+                torch.cuda.empty_cache()
         base = rows.get("sdpa", {})
         print(f"\n{model}: tokens/s (ratio to sdpa)")
         names = sorted({n for r in rows.values() for n in r})

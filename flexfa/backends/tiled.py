@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
+import weakref
 
 import torch
 
 from flexfa.backends.base import Backend, Support, register
-from flexfa.blockmask.block_mask import TileState
+from flexfa.blockmask.block_mask import BlockMask, TileState
 from flexfa.blockmask.exact import index_grids
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.evaluate import Evaluator
@@ -66,6 +68,33 @@ class _Step:
 # a masked_fill runs.
 
 
+# Note [Tiled plans per BlockMask]
+# A call's tile states and its steps per q-block follow from the BlockMask, the device, the
+# columns per step and the key length alone, and building them takes a dozen small tensor
+# operations per q-block: for a decode step on the CPU most of the call. So they are kept per
+# BlockMask (weakly, as the decode path keeps its plans: Note [Decode host time] in
+# flexfa/codegen/triton/decode.py), and a BlockMask changed in place is seen as stale by these
+# plans as by the other caches keyed by it. The steps of a q-block are made on first use.
+_plans: weakref.WeakKeyDictionary[BlockMask, dict[tuple, _SharedPlan]] = weakref.WeakKeyDictionary()
+_plans_lock = threading.Lock()
+
+
+@dataclasses.dataclass
+class _SharedPlan:
+    states: torch.Tensor  # int8 [B', H', nq, nkv] TileState values, on the call's device
+    steps: dict[int, list[_Step]]  # per q-block, filled on first use
+
+
+def _shared_plan(bm: BlockMask, device: torch.device, blocks_per_step: int, len_kv: int):
+    key = (str(device), blocks_per_step, len_kv)
+    with _plans_lock:
+        per_mask = _plans.setdefault(bm, {})
+        found = per_mask.get(key)
+        if found is None:
+            found = per_mask[key] = _SharedPlan(bm.tile_states().to(device), {})
+        return found
+
+
 class _Plan:
     """What the forward and backward share: tile states, steps per q-block, index grids."""
 
@@ -73,9 +102,10 @@ class _Plan:
         self.spec = spec
         bm = spec.block_mask
         self.bq, self.bkv = bm.block_size.q, bm.block_size.kv
-        self.states = bm.tile_states().to(device)  # [B', H', nq, nkv]
         step_cols = int(spec.kernel_options.get("step_columns", DEFAULT_STEP_COLUMNS))
         self.blocks_per_step = max(1, step_cols // self.bkv)
+        self._shared = _shared_plan(bm, device, self.blocks_per_step, spec.len_kv)
+        self.states = self._shared.states  # [B', H', nq, nkv]
         self.device = device
         self.paged = spec.paged
         self.compute_dtype = torch.float64 if spec.dtype == torch.float64 else torch.float32
@@ -85,6 +115,13 @@ class _Plan:
         return i * self.bq, min((i + 1) * self.bq, self.spec.len_q)
 
     def steps(self, i: int) -> list[_Step]:
+        """The steps over q-block i (Note [Tiled steps]), made once per shared plan."""
+        found = self._shared.steps.get(i)
+        if found is None:
+            found = self._shared.steps.setdefault(i, self._make_steps(i))
+        return found
+
+    def _make_steps(self, i: int) -> list[_Step]:
         row_states = self.states[:, :, i, :]  # [B', H', nkv]
         live_mask = (row_states != int(TileState.EMPTY)).flatten(0, 1).any(0)
         live = torch.nonzero(live_mask).flatten().tolist()
