@@ -72,12 +72,16 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #      every pair anyway, so the mode costs no extra kernel; its contributions may differ from
 #      the dQ kernel's in the last bits (another matmul order), which moves the scale by at most
 #      a factor 2 and leaves the headroom below 2**63.
-#   3  second pass: add round(contribution * capture_scales[j]) as int64, where the launcher chose
-#      the scale 2**k so that (number of pairs) * max |contribution| * scale < 2**62: no overflow,
-#      and a quantization step far below float32 rounding of the contribution itself. Each
-#      contribution is quantized before any sum, so the reductions of Note [Scatter-add of
-#      captured gradients] apply unchanged to the integers, and the result is the same whichever
-#      strategy, tile shape or branch summed it.
+#   3  second pass: the reductions of Note [Scatter-add of captured gradients] form their float32
+#      sums in registers as in mode 1, and each sum is added as round(sum * capture_scales[j]) in
+#      int64 (`flexfa_fixed`), where the launcher chose the scale 2**k so that (number of pairs) *
+#      max |contribution| * scale < 2**62: no sum overflows, and the quantization step is far below
+#      float32 rounding. A program's sums are the same at every run (the same tile, the same
+#      reduction order, the same branch for the same indices), so only the order of the atomics
+#      varies, and integer addition does not see it. (An earlier version quantized every
+#      contribution before any sum, which made the result independent of the tile shape too, at
+#      one float-to-int64 conversion per pair: 64 `F2I.S64` per thread and tile in the dQ kernel on
+#      sm_90, against 2 to 10 now, one per sum.)
 """
 
 from __future__ import annotations
@@ -144,6 +148,7 @@ HELPERS = (
     "flexfa_pow",
     "flexfa_floordiv",
     "flexfa_floormod",
+    "flexfa_fixed",
     "flexfa_scatter_tile",
     "flexfa_scatter_sub_blocks",
     "flexfa_tile_distances",
@@ -562,15 +567,15 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
     c, v = f"c{i}", f"v{i}"
     # See Note [Deterministic captured gradients] for the modes. In mode 3 every contribution is
     # quantized before any sum, so the integer result does not depend on how it is summed.
+    # Sums are formed in float32 in registers, in an order fixed by the kernel's configuration;
+    # in mode 3 each value is quantized just before its atomic (`flexfa_fixed`).
+    scale = f"capture_scales + {j}"
     lines = [
         f"{c} = tl.where(live, {_times(body, d_load)}, 0.0)",
         "if CAPTURE_MODE == 2:",
-        f"    tl.atomic_max(capture_scales + {j}, tl.max(tl.max(tl.abs({c}), 1), 0))",
+        f"    tl.atomic_max({scale}, tl.max(tl.max(tl.abs({c}), 1), 0))",
         "else:",
-        "    if CAPTURE_MODE == 3:",
-        f"        {v} = tl.floor({c} * tl.load(capture_scales + {j}) + 0.5).to(tl.int64)",
-        "    else:",
-        f"        {v} = {c}",
+        f"    {v} = {c}",
     ]
     idx = [body.name(s) for s in index_nodes]
     offset, guards = _offset_and_guard(idx, p) if idx else ("0", "True")
@@ -589,7 +594,8 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
             reduce,
             f"o{i} = ({offset}) + tl.zeros_like({r}).to(tl.int32)",
             f"m{i} = (({guards}) + tl.zeros_like(o{i})) != 0",
-            f"tl.atomic_add({p.grad_ptr} + o{i}, {r}, mask=m{i})",
+            f"tl.atomic_add({p.grad_ptr} + o{i}, flexfa_fixed({r}, {scale}, CAPTURE_MODE), "
+            f"mask=m{i})",
         ]
         return lines + ["    " + line for line in body_lines]
     if strategy is ScatterStrategy.GENERAL:
@@ -597,7 +603,7 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
         body_lines = [
             f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)",
             f"m{i} = ((({guards}) + tl.zeros_like(o{i})) != 0) & live",
-            f"flexfa_scatter_tile({p.grad_ptr}, {v}, o{i}, m{i})",
+            f"flexfa_scatter_tile({p.grad_ptr}, {v}, o{i}, m{i}, {scale}, CAPTURE_MODE)",
         ]
         return lines + ["    " + line for line in body_lines]
     # DIAGONAL: the index is a function of d = q_idx - kv_idx, so it is evaluated once per
@@ -614,9 +620,10 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
         f"lo{i} = tl.min(tl.where(m{i}, o{i}, 2147483647), 0)",
         f"hi{i} = tl.max(tl.where(m{i}, o{i}, -1), 0)",
         f"if lo{i} == hi{i}:",
-        f"    tl.atomic_add({p.grad_ptr} + hi{i}, tl.sum(tl.sum({v}, 1), 0))",
+        f"    tl.atomic_add({p.grad_ptr} + hi{i}, "
+        f"flexfa_fixed(tl.sum(tl.sum({v}, 1), 0), {scale}, CAPTURE_MODE))",
         f"elif lo{i} < hi{i}:",
-        f"    s{i} = flexfa_diagonal_sums({v})",
+        f"    s{i} = flexfa_fixed(flexfa_diagonal_sums({v}), {scale}, CAPTURE_MODE)",
         f"    tl.atomic_add({p.grad_ptr} + o{i}, s{i}, mask=m{i} & (s{i} != 0))",
     ]
     return lines + ["    " + line for line in body_lines]
