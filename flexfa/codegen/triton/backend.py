@@ -388,7 +388,7 @@ class Launcher:
             launches.append(
                 self._make(
                     "bwd_dq", m.flexfa_bwd_dq, (triton_cdiv(Lq, cfg.block_m2), B * Hq),
-                    dq_args, dq_constexprs, cfg, "backward dQ",
+                    dq_args, dq_constexprs, cfg.dq, "backward dQ",
                 )
             )  # fmt: skip
         return launches

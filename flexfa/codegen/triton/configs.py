@@ -34,6 +34,7 @@ BWD_OPTIONS = {
     "bwd_block_n2": "block_n2",
     "bwd_num_warps": "num_warps",
     "bwd_num_stages": "num_stages",
+    "bwd_dq_num_warps": "dq_num_warps",
 }
 OTHER_OPTIONS = frozenset({"autotune", "bwd_dq"})
 # The decode path's (flexfa/codegen/triton/decode.py).
@@ -123,6 +124,11 @@ def for_pairwise_access(
     # offsets and values of its part of the tile on top of the scores: at 128 x 128 the forward
     # of a T5 bucketed bias spilled 136 bytes per thread (Triton 3.6, sm_90, D=128), at 128 x 64
     # none, so the forward's KV tile stays at most 64 columns for them too.
+    # A per-pair scatter in the dQ kernel holds its sums and offsets beside the tile (a diagonal
+    # scatter skews the tile into a [rows, 2 * cols] gather): at D=64 with the default 4 warps a
+    # learnable relative bias's dQ kernel spilled 160 bytes per thread and a T5 bias's 112 (Triton
+    # 3.6, sm_90), with 8 warps none, so that kernel gets at least 8 warps (the dK/dV kernel, which
+    # scatters only in the deterministic mode's first pass, keeps its own).
     """
     fwd, bwd = configs.fwd, configs.bwd
     if staged_loads or gathers:
@@ -131,7 +137,8 @@ def for_pairwise_access(
         fwd = dataclasses.replace(fwd, num_stages=min(fwd.num_stages, 2))
         bwd = dataclasses.replace(bwd, num_stages=min(bwd.num_stages, 2))
     if scatters:
-        bwd = dataclasses.replace(bwd, block_m2=min(bwd.block_m2, 64))
+        warps = max(bwd.dq_num_warps or bwd.num_warps, 8)
+        bwd = dataclasses.replace(bwd, block_m2=min(bwd.block_m2, 64), dq_num_warps=warps)
     return KernelConfigs(fwd, bwd)
 
 

@@ -508,8 +508,10 @@ class ScatterStrategy(enum.Enum):
 
 
 def _is_distance(node: Node) -> bool:
-    """`q_idx - kv_idx` or `kv_idx - q_idx`."""
-    if node.op is not Op.SUB:
+    """`q_idx - kv_idx`, `kv_idx - q_idx`, or a comparison of the two (`kv_idx > q_idx`, as in
+    T5's buckets): values of the distance alone, which keep their value when q_idx := q_idx -
+    kv_idx and kv_idx := 0."""
+    if node.op not in (Op.SUB, Op.LT, Op.LE, Op.EQ, Op.NE):
         return False
     names = tuple(s.arg if s.op is Op.VAR else None for s in node.srcs)
     return names in (("q_idx", "kv_idx"), ("kv_idx", "q_idx"))

@@ -56,7 +56,8 @@ class FwdConfig:
 
 @dataclasses.dataclass(frozen=True)
 class BwdConfig:
-    """Backward tile sizes: (block_m1, block_n1) for dK/dV programs, (block_m2, block_n2) for dQ."""
+    """Backward tile sizes: (block_m1, block_n1) for dK/dV programs, (block_m2, block_n2) for dQ;
+    `dq_num_warps` the dQ kernel's warps where they differ from `num_warps` (None: the same)."""
 
     block_m1: int = 64
     block_n1: int = 128
@@ -64,12 +65,22 @@ class BwdConfig:
     block_n2: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    dq_num_warps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("block_m1", "block_n1", "block_m2", "block_n2"):
             _check_pow2(name, getattr(self, name))
         _check_positive("num_warps", self.num_warps)
         _check_positive("num_stages", self.num_stages)
+        if self.dq_num_warps is not None:
+            _check_positive("dq_num_warps", self.dq_num_warps)
+
+    @property
+    def dq(self) -> BwdConfig:
+        """This config as the dQ kernel is launched (its own warps)."""
+        if self.dq_num_warps is None or self.dq_num_warps == self.num_warps:
+            return self
+        return dataclasses.replace(self, num_warps=self.dq_num_warps, dq_num_warps=None)
 
 
 def _check_pow2(name: str, value: int) -> None:
