@@ -21,6 +21,7 @@ Cases (every tensor per query head unless said otherwise):
     python bench/captured_grads.py --cases relbias,t5 --shapes 1x32x8x8192x128 --no-torch
     python bench/captured_grads.py --shapes 2x16x16x4096x64,1x16x16x16384x64
     python bench/captured_grads.py --backend triton      # every call on the Triton kernels
+    python bench/captured_grads.py --backend triton --kernel-options '{"bwd_block_m1": 32}'
 
 A shape is BxHqxHkvxNxD. Results go to stdout and, if $OUT is set, to $OUT/captured_grads.json.
 """
@@ -128,6 +129,7 @@ def bench_case(name: str, shape: tuple[int, int, int, int, int], args) -> dict:
             return flexfa.attention(
                 q, k, v, score_mod=score_mod, block_mask=bm, enable_gqa=gqa,
                 backend=args.backend, deterministic=deterministic,
+                kernel_options=args.kernel_options,
             )  # fmt: skip
 
         return call
@@ -239,6 +241,12 @@ def main() -> None:
     )
     ap.add_argument("--no-torch", dest="torch", action="store_false", help="skip torch flex")
     ap.add_argument("--no-deterministic", dest="deterministic", action="store_false")
+    ap.add_argument(
+        "--kernel-options",
+        type=json.loads,
+        default=None,
+        help="flexfa's kernel_options for every call, as JSON (e.g. '{\"bwd_block_m1\": 32}')",
+    )
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms")
     args = ap.parse_args()
