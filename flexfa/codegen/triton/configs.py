@@ -123,7 +123,9 @@ def for_pairwise_access(
     # reads on CUDA take no shared memory and leave the stages alone, but each thread holds the
     # offsets and values of its part of the tile on top of the scores: at 128 x 128 the forward
     # of a T5 bucketed bias spilled 136 bytes per thread (Triton 3.6, sm_90, D=128), at 128 x 64
-    # none, so the forward's KV tile stays at most 64 columns for them too.
+    # none, so the forward's KV tile stays at most 64 columns for them too; and with 4 warps (the
+    # default at D <= 64) that forward still spilled 104 bytes for T5 and 32 for a clamped relative
+    # bias, with 8 none, so it gets 8 warps.
     # A per-pair scatter in the dQ kernel holds its sums and offsets beside the tile (a diagonal
     # scatter skews the tile into a [rows, 2 * cols] gather): at D=64 with the default 4 warps a
     # learnable relative bias's dQ kernel spilled 160 bytes per thread and a T5 bias's 112 (Triton
@@ -133,6 +135,8 @@ def for_pairwise_access(
     fwd, bwd = configs.fwd, configs.bwd
     if staged_loads or gathers:
         fwd = dataclasses.replace(fwd, block_n=min(fwd.block_n, 64))
+    if gathers:
+        fwd = dataclasses.replace(fwd, num_warps=max(fwd.num_warps, 8))
     if staged_loads:
         fwd = dataclasses.replace(fwd, num_stages=min(fwd.num_stages, 2))
         bwd = dataclasses.replace(bwd, num_stages=min(bwd.num_stages, 2))

@@ -70,3 +70,12 @@ def test_per_pair_scatters_give_the_dq_kernel_eight_warps():
     assert cfg.dq.num_warps == 8 and cfg.dq.block_m2 == cfg.block_m2
     frozen = resolve_configs(build_spec(q.detach(), q, q, None, None), H100).bwd
     assert frozen.dq_num_warps is None and frozen.dq is frozen
+
+
+def test_gathered_tables_give_the_forward_eight_warps():
+    table = torch.zeros(4, 2 * N + 1)
+    q = torch.empty(1, 4, N, 64, dtype=torch.bfloat16)
+    spec = build_spec(q, q, q, lambda s, b, h, q_, kv: s + table[h, q_ - kv + N], None)
+    fwd = resolve_configs(spec, H100).fwd
+    assert (fwd.block_n, fwd.num_warps) == (64, 8)
+    assert resolve_configs(build_spec(q, q, q, None, None), H100).fwd.num_warps == 4
