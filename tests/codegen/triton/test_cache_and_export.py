@@ -256,6 +256,7 @@ _GATHER_CHILD = textwrap.dedent(
     cases = {
         "float32": lambda s, b, h, q, kv: s + rel[h, q - kv + N],
         "bfloat16": lambda s, b, h, q, kv: s + rel16[h, q - kv + N],
+        "int64_offsets": lambda s, b, h, q, kv: s + rel16[h, (q - kv + N).to(torch.int64)],
         "int32_index": lambda s, b, h, q, kv: s + weights[buckets[q, kv] % 64],
         "bool": lambda s, b, h, q, kv: torch.where(allowed[q, kv], s, -float("inf")),
     }
