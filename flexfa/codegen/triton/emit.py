@@ -25,8 +25,9 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #   TILE      reads neither q_idx nor kv_idx (b, h, constants): the tile's sum, one atomic.
 #   ROW       reads q_idx only: sums along the tile's kv axis, one atomic per query; COLUMN the same
 #             for kv_idx. `Q_AXIS` says which tile axis runs over queries (dQ kernel 0, dK/dV 1).
-#   DIAGONAL  every path from q_idx/kv_idx into the index passes through `q_idx - kv_idx` (relative
-#             positions, clamped, T5 log buckets; `reads_only_distance`): the index is a function
+#   DIAGONAL  every path from q_idx/kv_idx into the index passes through `q_idx - kv_idx` or a
+#             comparison of the two (relative positions, clamped, T5 log buckets with their sign
+#             test `kv_idx > q_idx`; `reads_only_distance`): the index is a function
 #             of the distance d, constant along the tile's diagonals. It is evaluated once per
 #             diagonal (q_idx := d, kv_idx := 0, a vector of 2 * max(rows, cols)); where all
 #             diagonals give one offset (far tiles of a clamped distance) the tile's sum takes one
@@ -567,10 +568,9 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
     index_nodes = load.srcs[1:]
     strategy = scatter_strategy(load)
     c, v = f"c{i}", f"v{i}"
-    # See Note [Deterministic captured gradients] for the modes. In mode 3 every contribution is
-    # quantized before any sum, so the integer result does not depend on how it is summed.
-    # Sums are formed in float32 in registers, in an order fixed by the kernel's configuration;
-    # in mode 3 each value is quantized just before its atomic (`flexfa_fixed`).
+    # See Note [Deterministic captured gradients] for the modes. Sums are formed in float32 in
+    # registers, in an order fixed by the kernel's configuration; in mode 3 each is quantized just
+    # before its atomic (`flexfa_fixed`).
     scale = f"capture_scales + {j}"
     lines = [
         f"{c} = tl.where(live, {_times(body, d_load)}, 0.0)",
