@@ -21,6 +21,7 @@ Cases (every tensor per query head unless said otherwise):
     python bench/captured_grads.py --cases relbias,t5 --shapes 1x32x8x8192x128 --no-torch
     python bench/captured_grads.py --shapes 2x16x16x4096x64,1x16x16x16384x64
     python bench/captured_grads.py --backend triton      # every call on the Triton kernels
+    python bench/captured_grads.py --smoke               # a tiny shape, on the CPU too
     python bench/captured_grads.py --backend triton --kernel-options '{"bwd_block_m1": 32}'
 
 A shape is BxHqxHkvxNxD. Results go to stdout and, if $OUT is set, to $OUT/captured_grads.json.
@@ -33,6 +34,7 @@ import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -110,18 +112,38 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return tuple(int(p) for p in parts)  # type: ignore[return-value]
 
 
-def bench_case(name: str, shape: tuple[int, int, int, int, int], args) -> dict:
-    from triton.testing import do_bench
+def _cpu_bench(fn, warmup: int, rep: int, return_mode: str = "median", grad_to_none=None):
+    """`do_bench`'s interface on the CPU (`--smoke`): the median of a few timed calls, ms."""
+    del warmup, rep, return_mode
+    times = []
+    for _ in range(3):
+        for t in grad_to_none or ():
+            t.grad = None
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[1]
 
+
+def bench_case(name: str, shape: tuple[int, int, int, int, int], args) -> dict:
     B, Hq, Hkv, N, D = shape
-    dev, dt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, args.dtype)
+    if args.smoke and not torch.cuda.is_available():
+        dev, dt, do_bench = torch.device("cpu"), torch.float32, _cpu_bench
+    else:
+        from triton.testing import do_bench
+
+        dev, dt = torch.device("cuda", torch.cuda.current_device()), getattr(torch, args.dtype)
     torch.manual_seed(0)
     q = torch.randn(B, Hq, N, D, device=dev, dtype=dt, requires_grad=True)
     k, v = (torch.randn(B, Hkv, N, D, device=dev, dtype=dt, requires_grad=True) for _ in "kv")
     do = torch.randn(B, Hq, N, D, device=dev, dtype=dt)
     score_mod, tensor = make_mod(name, B, Hq, N, dev)
     gqa = Hq != Hkv
-    rec: dict = {"case": name, "shape": "x".join(map(str, shape)), "dtype": args.dtype}
+    rec: dict = {
+        "case": name,
+        "shape": "x".join(map(str, shape)),
+        "dtype": str(dt).removeprefix("torch."),
+    }
     bm = flexfa.create_block_mask(fm.causal, None, None, N, N, device=dev)
 
     def flexfa_call(deterministic: bool = False):
@@ -249,9 +271,16 @@ def main() -> None:
     )
     ap.add_argument("--warmup", type=int, default=10, help="do_bench warmup, ms")
     ap.add_argument("--rep", type=int, default=50, help="do_bench repetitions, ms")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="one tiny shape, on the CPU without a GPU (float32, wall-clock times): checks the script",
+    )
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("captured_grads.py needs a CUDA GPU")
+    if args.smoke:
+        args.shapes = "1x2x1x256x16"
+    elif not torch.cuda.is_available():
+        sys.exit("captured_grads.py needs a CUDA GPU (--smoke runs a tiny shape on the CPU)")
     records = []
     for shape_text in args.shapes.split(","):
         shape = parse_shape(shape_text)
