@@ -74,15 +74,20 @@ class _Step:
 # operations per q-block: for a decode step on the CPU most of the call. So they are kept per
 # BlockMask (weakly, as the decode path keeps its plans: Note [Decode host time] in
 # flexfa/codegen/triton/decode.py), and a BlockMask changed in place is seen as stale by these
-# plans as by the other caches keyed by it. The steps of a q-block are made on first use.
+# plans as by the other caches keyed by it. The steps of a q-block are made on first use and kept
+# while the plan's steps hold at most _KEPT_COLUMNS key positions in all (8 MiB of int64): a
+# causal mask at 32k keys would need 33 MiB, kept as long as its BlockMask lives, for calls whose
+# own work dwarfs building the steps.
 _plans: weakref.WeakKeyDictionary[BlockMask, dict[tuple, _SharedPlan]] = weakref.WeakKeyDictionary()
 _plans_lock = threading.Lock()
+_KEPT_COLUMNS = 1 << 20
 
 
 @dataclasses.dataclass
 class _SharedPlan:
     states: torch.Tensor  # int8 [B', H', nq, nkv] TileState values, on the call's device
     steps: dict[int, list[_Step]]  # per q-block, filled on first use
+    columns: int = 0  # key positions the kept steps hold
 
 
 def _shared_plan(bm: BlockMask, device: torch.device, blocks_per_step: int, len_kv: int):
@@ -116,9 +121,14 @@ class _Plan:
 
     def steps(self, i: int) -> list[_Step]:
         """The steps over q-block i (Note [Tiled steps]), made once per shared plan."""
-        found = self._shared.steps.get(i)
+        shared = self._shared
+        found = shared.steps.get(i)
         if found is None:
-            found = self._shared.steps.setdefault(i, self._make_steps(i))
+            found = self._make_steps(i)
+            columns = sum(int(step.cols.numel()) for step in found)
+            if shared.columns + columns <= _KEPT_COLUMNS:
+                shared.columns += columns
+                found = shared.steps.setdefault(i, found)
         return found
 
     def _make_steps(self, i: int) -> list[_Step]:

@@ -40,3 +40,18 @@ def test_each_key_length_is_computed_over_its_own_columns():
         got = flexfa.attention(q, kk, vv, block_mask=_window, backend="tiled")
         want, _ = reference_attention(q, kk, vv, mask_mod=_window, dtype=torch.float64)
         torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5, msg=f"length {length}")
+
+
+def test_steps_are_kept_within_a_budget(monkeypatch):
+    # Long calls build their steps again rather than keep them alive with the BlockMask.
+    monkeypatch.setattr(tiled, "_KEPT_COLUMNS", 300)
+    torch.manual_seed(2)
+    q = torch.randn(1, 2, 512, 16)
+    k, v = torch.randn(2, 1, 2, 512, 16).unbind(0)
+    bm = flexfa.create_block_mask(flexfa.masks.causal, None, None, 512, 512)
+    got = flexfa.attention(q, k, v, block_mask=bm, backend="tiled")
+    (shared,) = tiled._plans[bm].values()
+    assert 0 < shared.columns <= 300 and len(shared.steps) < 512 // bm.block_size.q
+    want, _ = reference_attention(q, k, v, mask_mod=flexfa.masks.causal, dtype=torch.float64)
+    torch.testing.assert_close(got, want.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(flexfa.attention(q, k, v, block_mask=bm, backend="tiled"), got)
