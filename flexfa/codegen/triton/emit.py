@@ -485,8 +485,8 @@ _ASM_GATHER_DTYPES = frozenset({DType.FLOAT32, DType.INT32, DType.FLOAT16, DType
 
 def gathered_outside_pipeline(load: Node) -> bool:
     """Whether a per-pair load is read by `flexfa_gather`'s inline PTX on CUDA, out of reach of
-    Triton's software pipeliner (Note [Per-pair gathers])."""
-    return load.srcs[0].arg.dtype in _ASM_GATHER_DTYPES
+    Triton's software pipeliner (Note [Per-pair gathers]); never on ROCm."""
+    return torch.version.hip is None and load.srcs[0].arg.dtype in _ASM_GATHER_DTYPES
 
 
 def index_axes(load: Node) -> frozenset[str]:
