@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-# The steps from an object to a captured tensor, as `flexfa.compiled.follow` takes them.
+# The steps from an object to a captured tensor, as `flexfa.capture_paths.follow` takes them.
 Path = tuple[tuple[str, Any], ...]
 
 
