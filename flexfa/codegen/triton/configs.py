@@ -126,11 +126,13 @@ def for_pairwise_access(
     # none, so the forward's KV tile stays at most 64 columns for them too; and with 4 warps (the
     # default at D <= 64) that forward still spilled 104 bytes for T5 and 32 for a clamped relative
     # bias, with 8 none, so it gets 8 warps.
-    # A per-pair scatter in the dQ kernel holds its sums and offsets beside the tile (a diagonal
-    # scatter skews the tile into a [rows, 2 * cols] gather): at D=64 with the default 4 warps a
-    # learnable relative bias's dQ kernel spilled 160 bytes per thread and a T5 bias's 112 (Triton
-    # 3.6, sm_90), with 8 warps none, so that kernel gets at least 8 warps (the dK/dV kernel, which
-    # scatters only in the deterministic mode's first pass, keeps its own).
+    # A per-pair scatter in the dQ kernel runs fastest with 4 warps, whatever the backward's
+    # (`dq_num_warps`): H200, bf16, causal, `bench/captured_grads.py --backend triton` learnable
+    # fwd+bwd at B1 Hq32 Hkv8 N8192 D128 (8 warps by default) relative bias 13.45 -> 12.49 ms,
+    # T5 20.93 -> 19.94, 2-D blocks 12.10 -> 12.02; at B2 H16 N4096 D64, against 8 warps (which
+    # compile without the spills 4 warps have: 160 bytes per thread for the relative bias), 2.56
+    # -> 1.94, 4.75 -> 3.47, 2.34 -> 1.75. Halving its tile either way, or the dK/dV kernel's
+    # rows, was slower or no faster in the same run.
     """
     fwd, bwd = configs.fwd, configs.bwd
     if staged_loads or gathers:
@@ -141,8 +143,7 @@ def for_pairwise_access(
         fwd = dataclasses.replace(fwd, num_stages=min(fwd.num_stages, 2))
         bwd = dataclasses.replace(bwd, num_stages=min(bwd.num_stages, 2))
     if scatters:
-        warps = max(bwd.dq_num_warps or bwd.num_warps, 8)
-        bwd = dataclasses.replace(bwd, block_m2=min(bwd.block_m2, 64), dq_num_warps=warps)
+        bwd = dataclasses.replace(bwd, block_m2=min(bwd.block_m2, 64), dq_num_warps=4)
     return KernelConfigs(fwd, bwd)
 
 

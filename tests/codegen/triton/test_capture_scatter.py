@@ -197,7 +197,12 @@ def test_gpu_against_reference(name, deterministic, dtype):
         batch=2, heads_q=2, heads_kv=1, len_q=300, len_kv=333, head_dim=64, head_dim_v=64,
         dtype=dtype,
     )  # fmt: skip
-    big = {"uniform_tiles": (24, 24), "two_offsets": (48, 24), "row_uniform": (2, 5, 24)}
+    big = {
+        "uniform_tiles": (24, 24),
+        "two_offsets": (48, 24),
+        "row_uniform": (2, 5, 24),
+        "distance_buckets": (2, 56),  # |q - kv| // 6 up to 332 // 6
+    }
     check_attention(
         p,
         score_mod=_table_mod(index, big.get(name, shape), device="cuda"),

@@ -59,15 +59,15 @@ def test_the_interpreter_keeps_its_small_tiles():
     assert (cfg.fwd.block_m, cfg.fwd.block_n) == (32, 32)
 
 
-def test_per_pair_scatters_give_the_dq_kernel_eight_warps():
-    # At D=64 the backward runs 4 warps; the dQ kernel that scatters per pair gets 8, the dK/dV
-    # kernel keeps 4.
+def test_per_pair_scatters_give_the_dq_kernel_four_warps():
+    # At D=128 the backward runs 8 warps; the dQ kernel that scatters per pair runs 4, the dK/dV
+    # kernel keeps 8.
     table = torch.zeros(4, 2 * N + 1, requires_grad=True)
-    q = torch.empty(1, 4, N, 64, dtype=torch.bfloat16, requires_grad=True)
+    q = torch.empty(1, 4, N, 128, dtype=torch.bfloat16, requires_grad=True)
     spec = build_spec(q, q, q, lambda s, b, h, q_, kv: s + table[h, q_ - kv + N], None)
     cfg = resolve_configs(spec, H100).bwd
-    assert (cfg.num_warps, cfg.dq_num_warps) == (4, 8)
-    assert cfg.dq.num_warps == 8 and cfg.dq.block_m2 == cfg.block_m2
+    assert (cfg.num_warps, cfg.dq_num_warps) == (8, 4)
+    assert cfg.dq.num_warps == 4 and cfg.dq.block_m2 == cfg.block_m2
     frozen = resolve_configs(build_spec(q.detach(), q, q, None, None), H100).bwd
     assert frozen.dq_num_warps is None and frozen.dq is frozen
 
