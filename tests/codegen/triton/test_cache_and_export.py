@@ -277,13 +277,9 @@ def test_per_pair_gathers_compile_to_plain_loads(tmp_path):
     """Per-pair loads of 16- and 32-bit tables are read with ld.global.nc in every attention kernel
     (Note [Per-pair gathers] in flexfa/codegen/triton/emit.py); bool tables keep tl.load. All fit
     in shared memory. The GPU suite runs the same kernels against the reference."""
-    env = dict(os.environ, FLEXFA_CACHE_DIR=str(tmp_path / "cache"), TRITON_INTERPRET="0")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    res = subprocess.run(
-        [sys.executable, "-c", _GATHER_CHILD], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert res.returncode == 0, res.stderr[-3000:]
-    found = json.loads(res.stdout.strip().splitlines()[-1])
+    from tests.child import run_json
+
+    found = run_json(_GATHER_CHILD, tmp_path)
     for case, kernels in found.items():
         for name, info in kernels.items():
             assert info["shared"] <= 227 * 1024, (
