@@ -59,7 +59,12 @@ from typing import Any
 import torch
 
 from flexfa import backends, local_mods
-from flexfa.blockmask.bind import DEFAULT_BLOCK_SIZE, cached_block_mask, is_torch_block_mask
+from flexfa.blockmask.bind import (
+    DEFAULT_BLOCK_SIZE,
+    cached_block_mask,
+    is_torch_block_mask,
+    uncached_block_mask,
+)
 from flexfa.blockmask.block_mask import BlockMask, BlockSize
 from flexfa.capture_paths import follow, paths_for, unreachable_capture
 from flexfa.frontend.proxy import ModTraceError
@@ -289,7 +294,8 @@ def _spec(
         from flexfa.blockmask.bind import allow_all
 
         mask = trace_mask_mod(allow_all, device=q.device)
-    bm = cached_block_mask(mask, B, Hq, Lq, Lkv, q.device, d.block_size)
+    build = uncached_block_mask if d.mask_computed else cached_block_mask
+    bm = build(mask, B, Hq, Lq, Lkv, q.device, d.block_size)
     return spec_from_shape(
         shape,
         q,
@@ -648,7 +654,11 @@ def _mask_root(block_mask: Any) -> Any:
 # which captures of a local mask_mod are computed in the graph (Note [Local mods under
 # torch.compile] in flexfa/local_mods.py), and building a BlockMask from them while a stream is
 # captured raises instead. A local score_mod's intermediates are fine: the kernels read them at
-# every replay.
+# every replay. Such a BlockMask is also never cached (`uncached_block_mask`): its tensors are new
+# at every call, and a cache entry would keep them alive; under CUDA graphs the warm-up runs
+# allocate them in the graph's pool, and a tensor kept there makes cudagraph trees stop the
+# recording with an error of its own ("tensor(s) in the cudagraph pool not tracked as outputs")
+# before this one could say why.
 def _capturing(q: torch.Tensor) -> bool:
     return q.is_cuda and torch.cuda.is_current_stream_capturing()
 

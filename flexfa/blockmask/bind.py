@@ -66,6 +66,22 @@ def cached_block_mask(
     return bm
 
 
+def uncached_block_mask(
+    traced: TracedMod,
+    B: int,
+    H: int,
+    Lq: int,
+    Lkv: int,
+    device: torch.device,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+) -> BlockMask:
+    """The BlockMask of `traced` for one call, built and not kept: for a mask_mod whose tensors a
+    compiled graph computes, new at every call (Note [Local mods under CUDA graphs] in
+    flexfa/compiled.py). Kept, it would keep their memory alive, which under CUDA graphs is the
+    graph's own pool."""
+    return persistent(device, lambda: _build(traced, B, H, Lq, Lkv, device, block_size))
+
+
 # Note [Block masks for growing key lengths]
 # A decode loop calls attention with one more key at every step, so each step's lengths are new to
 # the cache above, and `flexfa.api.build_spec` took 1.3 to 3.5 ms at 4k keys (one to 16 query

@@ -412,6 +412,22 @@ def test_a_mask_computed_in_the_graph_is_refused_under_cuda_graphs(monkeypatch):
     torch.testing.assert_close(from_inputs(x, keep, documents), block(x, keep, documents))
 
 
+def test_a_mask_computed_in_the_graph_is_not_kept():
+    """Note [Local mods under CUDA graphs]: a BlockMask built from a tensor the graph computes is
+    built for its call alone; no cache keeps it (nor, through it, the graph's tensor)."""
+    from flexfa.blockmask import bind
+
+    x, keep, starts, _ = _inputs(17, seed=6)
+    block = Block()
+    want = block(x, keep, starts)  # eager calls cache their masks as usual
+    bind.clear_cache()
+    computed = torch.compile(block, fullgraph=True, backend="aot_eager")
+    outs = [computed(x, keep, starts) for _ in range(2)]
+    assert not bind._cache and not bind._by_tiles, (list(bind._cache), list(bind._by_tiles))
+    for out in outs:
+        torch.testing.assert_close(out, want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])

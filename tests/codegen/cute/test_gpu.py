@@ -459,16 +459,15 @@ def test_direct_launches_match_fa4s_entry_point_on_gpu(name) -> None:
         [(i, x, y) for i, (x, y) in enumerate(zip(a, b)) if x != y]
         for a, b in itertools.pairwise(keys)
     ]  # what differed between the signatures, if more than one
-    if name == "packed":
-        # FA4's varlen forward hands its kernel a workspace it allocates on every call (one copy
-        # of the V TMA descriptor per CTA, `tensormap_workspace` in FA4's `_flash_attn_fwd`,
+    plans = list(direct._plans.values())
+    if name == "packed" and len(plans) == 1 and isinstance(plans[0], str):
+        # Newer FA4 releases hand their varlen kernels a workspace allocated on every call (one
+        # copy of the V TMA descriptor per CTA, `tensormap_workspace` in FA4's `_flash_attn_fwd`,
         # whenever cu_seqlens_k is given). A tensor FA4 made itself cannot be templated (Note
-        # [Direct FA4 launches]), so packed calls on FA4's varlen kernels always take FA4's entry
-        # point: what is checked here is that they are bit for bit the same either way, that
-        # flexfa saw the reason and stopped recording after the first call.
-        plans = list(direct._plans.values())
-        assert len(plans) == 1 and isinstance(plans[0], str), (plans, differences)
+        # [Direct FA4 launches]), so with those releases packed calls always take FA4's entry
+        # point: checked here is that they are bit for bit the same either way, that flexfa saw
+        # that reason and stopped recording after the first call. Older releases are replayed.
         assert "tensor of its own" in plans[0], plans[0]
         assert direct.counts == {"fa4": 10}, dict(direct.counts)
         return
-    assert direct.counts["direct"] >= 2, (name, dict(direct.counts), differences)
+    assert direct.counts["direct"] >= 2, (name, dict(direct.counts), plans, differences)
