@@ -34,8 +34,16 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #             atomic, otherwise `flexfa_diagonal_sums` skews the tile with `tl.gather` (Triton
 #             3.2 and later, and its interpreter) so that each diagonal is a column, and each
 #             diagonal sum takes one atomic (rows + cols - 1 per tile).
-#   GENERAL   anything else (a 2-D table indexed by (q_idx // 64, kv_idx // 64), gathers through
-#             other tensors, packed-batch positions, an index computed from the score):
+#   BLOCKED   q_idx and kv_idx reach the index only through `q_idx // c` (or `q_idx >> k`) with c a
+#             power of two, or directly (c = 1), and one of them through a c > 1 (a 2-D table
+#             indexed by (q_idx // 64, kv_idx // 64), Swin-style windows; `block_sizes`): the index
+#             is constant over aligned blocks of cq x ckv pairs, and tiles start at multiples of
+#             their power-of-two sides, so `flexfa_block_sums` sums the tile per block (a reshape
+#             and two sums) and the index is evaluated once per block (`flexfa_block_starts`):
+#             one atomic per block with a nonzero sum, no run-time test. Packed batches read
+#             positions from tensors, so their indices never take this way.
+#   GENERAL   anything else (gathers through other tensors, packed-batch positions, an index
+#             computed from the score, q_idx // c for c not a power of two):
 #             `flexfa_scatter_tile` looks at the tile's live offsets at run time: all equal -> one
 #             atomic of the tile's sum; two values -> two atomics; one offset per row (column) ->
 #             one atomic per row (column); one per 16 x 16 sub-block (tiles are multiples of 16)
@@ -154,6 +162,8 @@ HELPERS = (
     "flexfa_scatter_sub_blocks",
     "flexfa_tile_distances",
     "flexfa_diagonal_sums",
+    "flexfa_block_starts",
+    "flexfa_block_sums",
 )
 
 
@@ -505,6 +515,7 @@ class ScatterStrategy(enum.Enum):
     ROW = "row"  # q_idx only: summed along the tile's kv axis, one atomic per query
     COLUMN = "column"  # kv_idx only: summed along the q axis, one atomic per key
     DIAGONAL = "diagonal"  # q_idx - kv_idx only: one atomic per tile diagonal
+    BLOCKED = "blocked"  # q_idx // c, kv_idx // c': one atomic per block of the tile
     GENERAL = "general"  # anything else: decided per tile at run time
 
 
@@ -539,6 +550,47 @@ def reads_only_distance(nodes: tuple[Node, ...] | list[Node]) -> bool:
     return found
 
 
+def _block_of(node: Node) -> tuple[str, int] | None:
+    """(variable, c) for `q_idx // c` or `kv_idx >> k` (c = 2**k), c a power of two."""
+    if node.op not in (Op.FLOORDIV, Op.SHR) or len(node.srcs) != 2:
+        return None
+    var, by = node.srcs
+    if var.op is not Op.VAR or var.arg not in ("q_idx", "kv_idx") or by.op is not Op.CONST:
+        return None
+    value = by.const_value()
+    if type(value) is not int:
+        return None
+    if node.op is Op.SHR:
+        c = 1 << value if 0 <= value < 31 else 0
+    else:
+        c = value
+    return (var.arg, c) if c >= 1 and c & (c - 1) == 0 else None
+
+
+def block_sizes(nodes: tuple[Node, ...] | list[Node]) -> tuple[int, int]:
+    """(cq, ckv): powers of two such that `nodes` keep their values over every block of cq aligned
+    queries by ckv aligned keys, read from how q_idx and kv_idx reach them: only through
+    `q_idx // c` (or `>> k`) gives that c (the smallest, if several), any other way 1."""
+    sizes = {"q_idx": 0, "kv_idx": 0}  # 0: not reached
+    seen: set[int] = set()
+    stack = list(nodes)
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        block = _block_of(n)
+        if block is not None:
+            var, c = block
+            sizes[var] = c if not sizes[var] else min(sizes[var], c)
+            continue
+        if n.op is Op.VAR and n.arg in sizes:
+            sizes[n.arg] = 1
+            continue
+        stack.extend(n.srcs)
+    return max(sizes["q_idx"], 1), max(sizes["kv_idx"], 1)
+
+
 def scatter_strategy(load: Node) -> ScatterStrategy:
     """The accumulation of a load's gradient, chosen from its index expressions (static)."""
     if any(depends_on(n, "score") for n in load.srcs[1:]):
@@ -552,6 +604,8 @@ def scatter_strategy(load: Node) -> ScatterStrategy:
         return ScatterStrategy.COLUMN
     if reads_only_distance(load.srcs[1:]):
         return ScatterStrategy.DIAGONAL
+    if max(block_sizes(load.srcs[1:])) > 1:
+        return ScatterStrategy.BLOCKED
     return ScatterStrategy.GENERAL
 
 
@@ -606,6 +660,24 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
             f"o{i} = ({offset}) + tl.zeros_like({c}).to(tl.int32)",
             f"m{i} = ((({guards}) + tl.zeros_like(o{i})) != 0) & live",
             f"flexfa_scatter_tile({p.grad_ptr}, {v}, o{i}, m{i}, {scale}, CAPTURE_MODE)",
+        ]
+        return lines + ["    " + line for line in body_lines]
+    if strategy is ScatterStrategy.BLOCKED:
+        # The index keeps its value over blocks of cq x ckv aligned positions (`block_sizes`;
+        # tiles start at multiples of their sides, which are powers of two): it is evaluated
+        # once per block of the tile, at a position in it, and each block's sum takes one atomic.
+        cq, ckv = block_sizes(index_nodes)
+        blocks = _Body({**_VAR_PARAMS, "q_idx": f"bq{i}", "kv_idx": f"bk{i}"}, prefix=f"w{i}_")
+        blocks.emit(list(index_nodes))
+        b_offset, b_guards = _offset_and_guard([blocks.name(s) for s in index_nodes], p)
+        body_lines = [
+            f"bq{i}, bk{i} = flexfa_block_starts({c}, q_idx, kv_idx, {cq}, {ckv}, Q_AXIS)",
+            *blocks.lines,
+            f"s{i} = flexfa_fixed(flexfa_block_sums({v}, {cq}, {ckv}, Q_AXIS), {scale}, "
+            "CAPTURE_MODE)",
+            f"o{i} = ({b_offset}) + tl.zeros_like(s{i}).to(tl.int32)",
+            f"m{i} = ((({b_guards}) + tl.zeros_like(o{i})) != 0) & (s{i} != 0)",
+            f"tl.atomic_add({p.grad_ptr} + o{i}, s{i}, mask=m{i})",
         ]
         return lines + ["    " + line for line in body_lines]
     # DIAGONAL: the index is a function of d = q_idx - kv_idx, so it is evaluated once per

@@ -51,6 +51,18 @@ def _index_mods():
     def two_d_blocks(score, b, h, q_idx, kv_idx):
         return score + t[h, q_idx // 64, kv_idx // 64]
 
+    def rows_by_key_blocks(score, b, h, q_idx, kv_idx):
+        return score + t[h, q_idx % 8, kv_idx // 16]
+
+    def shifted_blocks(score, b, h, q_idx, kv_idx):
+        return score + t[h, q_idx >> 5, kv_idx >> 4]
+
+    def unaligned_blocks(score, b, h, q_idx, kv_idx):  # (q_idx + 1) // 64: not aligned blocks
+        return score + t[h, (q_idx + 1) // 64, (kv_idx + 1) // 64]
+
+    def blocks_of_three(score, b, h, q_idx, kv_idx):  # not a power of two
+        return score + t[h, q_idx // 3, kv_idx // 3]
+
     def distance_plus_position(score, b, h, q_idx, kv_idx):
         return score + t[h, 0, (q_idx - kv_idx + q_idx % 2) % 8]
 
@@ -66,7 +78,11 @@ def _index_mods():
         ("log_buckets", log_buckets, ScatterStrategy.DIAGONAL),
         ("t5_buckets", t5_buckets, ScatterStrategy.DIAGONAL),
         ("scaled_comparison", scaled_comparison, ScatterStrategy.GENERAL),
-        ("two_d_blocks", two_d_blocks, ScatterStrategy.GENERAL),
+        ("two_d_blocks", two_d_blocks, ScatterStrategy.BLOCKED),
+        ("rows_by_key_blocks", rows_by_key_blocks, ScatterStrategy.BLOCKED),
+        ("shifted_blocks", shifted_blocks, ScatterStrategy.BLOCKED),
+        ("unaligned_blocks", unaligned_blocks, ScatterStrategy.GENERAL),
+        ("blocks_of_three", blocks_of_three, ScatterStrategy.GENERAL),
         ("distance_plus_position", distance_plus_position, ScatterStrategy.GENERAL),
     ]
 
@@ -80,6 +96,7 @@ def test_strategy_is_chosen_from_the_index_expression(name, fn, expected):
     source = emit_score_mod_grad(traced, grad, "f", frozenset({0})).source
     assert ("flexfa_diagonal_sums" in source) == (expected is ScatterStrategy.DIAGONAL), source
     assert ("flexfa_scatter_tile" in source) == (expected is ScatterStrategy.GENERAL), source
+    assert ("flexfa_block_sums" in source) == (expected is ScatterStrategy.BLOCKED), source
     if expected is ScatterStrategy.DIAGONAL:
         # The index is evaluated once per diagonal, at q_idx = d and kv_idx = 0.
         assert re.search(r"u0_0 = .*\bd0\b.*\b0\b|u0_0 = .*\b0\b.*\bd0\b", source), source
@@ -102,11 +119,12 @@ def _table_mod(index, shape, *, scale: float = 0.5, device: str = "cpu"):
 
 
 # With 16-wide tiles, each index makes flexfa_scatter_tile take one branch in the dQ kernel (rows
-# are queries): uniform tiles, two offsets per tile, one offset per row, one per pair.
+# are queries): uniform tiles, two offsets per tile, one offset per row, one per pair. (The `+ 16`
+# keeps the first three off the BLOCKED strategy, which `q // 16` alone would take.)
 GENERAL_INDICES = {
-    "uniform_tiles": (lambda h, q, kv: (q // 16, kv // 16), (4, 4)),
-    "two_offsets": (lambda h, q, kv: (q // 8, kv // 16), (8, 4)),
-    "row_uniform": (lambda h, q, kv: (h, q % 5, kv // 16), (2, 5, 4)),
+    "uniform_tiles": (lambda h, q, kv: ((q + 16) // 16 - 1, (kv + 16) // 16 - 1), (4, 4)),
+    "two_offsets": (lambda h, q, kv: ((q + 16) // 8 - 2, (kv + 16) // 16 - 1), (8, 4)),
+    "row_uniform": (lambda h, q, kv: (h, q % 5, (kv + 16) // 16 - 1), (2, 5, 4)),
     "per_pair": (lambda h, q, kv: (h, (q + 2 * kv) % 7), (2, 7)),
     "clamped_distance": (lambda h, q, kv: (h, torch.clamp(q - kv, -5, 5) + 5), (2, 11)),
     "signed_buckets": (
@@ -141,10 +159,40 @@ def test_interpreter_sub_blocks(deterministic):
     wide = {key: 32 for key in INTERPRETER_TILES}
     check_attention(
         Problem(batch=1, heads_q=1, heads_kv=1, len_q=70, len_kv=45, head_dim=16, head_dim_v=16),
-        score_mod=_table_mod(lambda h, q, kv: (q // 16, kv // 16), (5, 3)),
+        score_mod=_table_mod(lambda h, q, kv: ((q + 16) // 16 - 1, (kv + 16) // 16 - 1), (5, 3)),
         backend="triton",
         kernel_options=wide,
         deterministic=deterministic,
+    )
+
+
+# The BLOCKED strategy on 16-wide tiles (32-wide in the last): blocks the size of the tile,
+# smaller along either axis (several blocks per tile), larger (one per tile), a whole row of
+# positions with blocks of keys, blocks given by shifts, and four 16 x 16 blocks per tile.
+BLOCKED_INDICES = {
+    "tile_blocks": (lambda h, q, kv: (q // 16, kv // 16), (5, 3), 16),
+    "small_blocks": (lambda h, q, kv: (h, q // 8, kv // 4), (2, 9, 12), 16),
+    "large_blocks": (lambda h, q, kv: (q // 64, kv // 32), (2, 2), 16),
+    "rows_by_key_blocks": (lambda h, q, kv: (h, q % 5, kv // 16), (2, 5, 3), 16),
+    "shifts": (lambda h, q, kv: (q >> 3, kv >> 5), (9, 2), 16),
+    "sub_blocks": (lambda h, q, kv: (q // 16, kv // 16), (5, 3), 32),
+}
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", list(BLOCKED_INDICES))
+def test_interpreter_blocked(name, deterministic):
+    """Note [Scatter-add of captured gradients], BLOCKED: per-block sums and one offset per block,
+    against the float64 reference, with lengths that end inside a block, causal for two."""
+    index, shape, tile = BLOCKED_INDICES[name]
+    check_attention(
+        Problem(batch=1, heads_q=2, heads_kv=1, len_q=70, len_kv=45, head_dim=16, head_dim_v=16),
+        score_mod=_table_mod(index, shape),
+        mask_mod=flexfa.masks.causal if name in ("small_blocks", "sub_blocks") else None,
+        backend="triton",
+        kernel_options={key: tile for key in INTERPRETER_TILES},
+        context=f"{name} deterministic={deterministic}",
+        **({"deterministic": True} if deterministic else {}),
     )
 
 
@@ -206,6 +254,39 @@ def test_gpu_against_reference(name, deterministic, dtype):
     check_attention(
         p,
         score_mod=_table_mod(index, big.get(name, shape), device="cuda"),
+        mask_mod=flexfa.masks.causal,
+        backend="triton",
+        device="cuda",
+        context=f"{name} deterministic={deterministic}",
+        **({"deterministic": True} if deterministic else {}),
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["float16", "bfloat16"])
+@pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
+@pytest.mark.parametrize("name", [*BLOCKED_INDICES, "blocks_64"])
+def test_gpu_blocked_against_reference(name, deterministic, dtype):
+    """BLOCKED on the GPU's tiles (64 to 128 wide): blocks smaller than, equal to and larger than
+    a tile, lengths that end inside blocks, GQA, causal."""
+    index = (lambda h, q, kv: (q // 64, kv // 64)) if name == "blocks_64" else None
+    index = index or BLOCKED_INDICES[name][0]
+    shape = {
+        "tile_blocks": (24, 24),
+        "small_blocks": (2, 48, 96),
+        "large_blocks": (8, 16),
+        "rows_by_key_blocks": (2, 5, 24),
+        "shifts": (48, 16),
+        "sub_blocks": (24, 24),
+        "blocks_64": (8, 8),
+    }[name]
+    p = Problem(
+        batch=2, heads_q=4, heads_kv=2, len_q=300, len_kv=333, head_dim=64, head_dim_v=64,
+        dtype=dtype,
+    )  # fmt: skip
+    check_attention(
+        p,
+        score_mod=_table_mod(index, shape, device="cuda"),
         mask_mod=flexfa.masks.causal,
         backend="triton",
         device="cuda",

@@ -79,3 +79,13 @@ def test_gathered_tables_give_the_forward_eight_warps():
     fwd = resolve_configs(spec, H100).fwd
     assert (fwd.block_n, fwd.num_warps) == (64, 8)
     assert resolve_configs(build_spec(q, q, q, None, None), H100).fwd.num_warps == 4
+
+
+def test_blocked_sums_keep_the_backward_tiles():
+    # Note [Scatter-add of captured gradients], BLOCKED: one atomic per block, no per-pair work,
+    # so the dQ kernel keeps the frozen call's tile and warps.
+    grid = torch.zeros(N // 64, N // 64, requires_grad=True)
+    learnable = _configs(lambda s, b, h, q, kv: s + grid[q // 64, kv // 64], learnable=True)
+    frozen = _configs(lambda s, b, h, q, kv: s + grid.detach()[q // 64, kv // 64])
+    assert learnable.bwd == frozen.bwd
+    assert (learnable.bwd.block_m2, learnable.bwd.dq_num_warps) == (128, None)
