@@ -179,6 +179,19 @@ BLOCKED_INDICES = {
 }
 
 
+@pytest.mark.parametrize("name", ["small_blocks", "rows_by_key_blocks"])
+def test_interpreter_blocked_fused_dq(name):
+    """BLOCKED in the dK/dV kernel (bwd_dq="fused"), whose tile rows are keys: the blocks' sides
+    and starting positions swap axes."""
+    index, shape, tile = BLOCKED_INDICES[name]
+    check_attention(
+        Problem(batch=1, heads_q=2, heads_kv=1, len_q=70, len_kv=45, head_dim=16, head_dim_v=16),
+        score_mod=_table_mod(index, shape),
+        backend="triton",
+        kernel_options={**{key: tile for key in INTERPRETER_TILES}, "bwd_dq": "fused"},
+    )
+
+
 @pytest.mark.parametrize("deterministic", [False, True], ids=["atomics", "deterministic"])
 @pytest.mark.parametrize("name", list(BLOCKED_INDICES))
 def test_interpreter_blocked(name, deterministic):
