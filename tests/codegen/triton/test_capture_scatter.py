@@ -339,3 +339,26 @@ def test_interpreter_index_computed_from_the_score(deterministic):
         kernel_options=INTERPRETER_TILES,
         deterministic=deterministic,
     )
+
+
+def test_interpreter_blocked_strided_table():
+    """BLOCKED reads and scatters through the table's own strides: a transposed (non-contiguous)
+    view of a learnable leaf, its gradient reaching the leaf through autograd."""
+
+    def make(dtype):
+        g = torch.Generator().manual_seed(5)
+        leaf = (torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.5).to(dtype)
+        leaf.requires_grad_(True)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            table = leaf.t()  # (5, 3), strides (1, 5)
+            return score + table[q_idx // 16, kv_idx // 16]
+
+        return BuiltMod(score_mod, (leaf,))
+
+    check_attention(
+        Problem(batch=1, heads_q=2, heads_kv=1, len_q=70, len_kv=45, head_dim=16, head_dim_v=16),
+        score_mod=make,
+        backend="triton",
+        kernel_options=dict(INTERPRETER_TILES),
+    )
