@@ -39,8 +39,10 @@ transformers (the `flexfa[transformers]` extra). docs/transformers.md says what 
 # flexfa's trace cache and repeated-call memo, and torch.compile's guards, key a mod by its
 # identity; a new closure per forward would trace again in eager calls and recompile the graph in
 # compiled ones. So a mask's mod is a `LocalMask`, one object per `Structure` (which conditions,
-# which window) for the life of the process, whose tensors (offset, documents, padding) each
+# which window, and which kind of layer: two kinds' masks, built before either's layers run, must
+# not share tensors) for the life of the process, whose tensors (offset, documents, padding) each
 # `build_mask` replaces; an eager BlockMask is built at once from the tensors of its own build.
+# (Masks with transformers' own functions among their conditions are new objects at every build.)
 #
 # Note [Offsets as tensors]
 # flexfa bakes the ints a mask_mod reads into its kernels (Note [Lifted scalars] in
@@ -82,6 +84,7 @@ import torch
 
 import flexfa
 from flexfa.blockmask.block_mask import BlockMask
+from flexfa.frontend.trace import TracedMod, trace
 from flexfa.mods import softcap as softcap_mod
 
 #: Queries at most this long get their mask as a score_mod under torch.compile (Note [Masks under
@@ -194,7 +197,9 @@ def build_mask(
     if _static_decode(parts, padding, q_length, q_offset, kv_offset):
         static = _static_cache_lengths(batch_size, kv_length, q_offset, torch.device(device))
     if mask_mod is not None:
-        if static is None:
+        if q_length <= SHORT_QUERY and not mask_mod.relative:
+            pass  # Note [Short queries' padding as a score_mod]
+        elif static is None:
             # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
             device = torch.device(device)
             block_mask = _block_mask(mask_mod, batch_size, q_length, kv_length, device)
@@ -207,6 +212,18 @@ def build_mask(
             cap
         )  # made here too, out of a compiled graph (Note [Masks under torch.compile ...])
     return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask, static)
+
+
+# Note [Short queries' padding as a score_mod]
+# A decode step's mask without a relative condition (a dynamic cache's step with padding: causal
+# holds on every key of the step) can skip only the tiles of left padding, a few of the cache's.
+# Its BlockMask would be built at every step (its keys grow by one) and be a new object for
+# flexfa's repeated-call path; so queries of at most SHORT_QUERY rows apply such a mask as a
+# score_mod (`-inf` where excluded, as under torch.compile), which reads the padding tensor per
+# key and needs no BlockMask. On the 2-core CPU (tiny Llama, batch 4, left padding, 48 greedy
+# steps) a step took 0.89-0.92x sdpa's time with this and the twin traces, 1.00x before. Masks
+# with a causal condition or a window (static caches' steps, sliding layers) keep their BlockMask:
+# it skips a static cache's unused tail and the keys outside a window.
 
 
 # Note [Static caches as page pools]
@@ -417,11 +434,11 @@ def _local_mask_mod(
     others = tuple(_absolute(f, q_offset, kv_offset, device) for f in parts.others)
     relative = causal or window is not None or both is not None
     shifted = relative and not (known and delta == 0)
-    structure = LocalMask.Structure(
-        causal, window, both, shifted, parts.documents is not None, padding is not None, others
-    )
-    if structure == LocalMask.Structure(False, None, None, False, False, False, ()):
+    documents, padded = parts.documents is not None, padding is not None
+    if not (relative or documents or padded or others):
         return None
+    kind = (parts.causal, parts.window, parts.bidirectional_window)
+    structure = LocalMask.Structure(causal, window, both, shifted, documents, padded, others, kind)
     mask = LocalMask.get(structure)
     mask.shift = _offset_tensor(delta, device) if shifted else None  # Note [Offsets as tensors]
     mask.documents = parts.documents
@@ -429,12 +446,27 @@ def _local_mask_mod(
     return mask
 
 
+# Note [Mask tensors rebound, not retraced]
+# A LocalMask's tensors are new at every build (a decode step's offset and padding, a batch's
+# documents), and its Structure is not a value the trace cache can summarize, so each build would
+# trace the mask again: 0.85 ms of a 2.3 ms step of padded decoding on the 2-core CPU (tiny
+# Llama). LocalMask and ScoreMask therefore bring their trace (Note [Mods that bring their trace]
+# in flexfa/frontend/trace.py): a *twin* — the same structure (and softcap) over stand-in tensors
+# of the same dtype, rank and device — is traced once, and each build's tensors are bound to its
+# captures; a trace reads only those three properties of a tensor (Note [Trace cache]). The last
+# binding is kept, so the layers of one forward see one TracedMod, which flexfa's repeated-call
+# path keys on. A mask with transformers' own functions among its conditions (`others`, closures
+# over tensors of their own) is traced as it is, at every build.
+_MASK_TENSORS = ("shift", "documents", "padding")
+
+
 class LocalMask:
     """A transformers mask on a call's local positions, as one flexfa mask_mod.
 
     One object per `Structure` for the life of the process, whose tensors (`shift`, `documents`,
     `padding`) each `build_mask` call replaces: flexfa's trace cache and torch.compile's guards
-    see the same mod at every step, and read its tensors' current values (Note [Stable mods])."""
+    see the same mod at every step, and read its tensors' current values (Note [Stable mods]).
+    Traced through a twin (Note [Mask tensors rebound, not retraced])."""
 
     @dataclasses.dataclass(frozen=True)
     class Structure:
@@ -445,11 +477,17 @@ class LocalMask:
         documents: bool
         padding: bool
         others: tuple[Callable[..., Any], ...]
+        # The relative conditions of the model's mask function before those that hold on every
+        # pair of the call were left out: a full and a sliding layer's masks stay two objects
+        # (with tensors of their own) where their conditions coincide, e.g. at a decode step.
+        kind: tuple[bool, int | None, int | None] = (False, None, None)
 
     _made: ClassVar[dict[LocalMask.Structure, LocalMask]] = {}
 
     @classmethod
     def get(cls, structure: LocalMask.Structure) -> LocalMask:
+        if structure.others:  # transformers' closures, new at every build: nothing to keep
+            return cls(structure)
         found = cls._made.get(structure)
         if found is None:
             found = cls._made.setdefault(structure, cls(structure))
@@ -461,7 +499,46 @@ class LocalMask:
         self.documents: torch.Tensor | None = None
         self.padding: torch.Tensor | None = None
         self._score_mods: dict[float | None, ScoreMask] = {}
+        # Note [Mask tensors rebound, not retraced]: twins' traces and stand-ins, the last binding.
+        self._twins: dict[tuple, tuple[TracedMod, tuple[torch.Tensor | None, ...]]] = {}
+        self._bound: dict[tuple, tuple[tuple[torch.Tensor | None, ...], TracedMod]] = {}
         self.__name__ = "transformers_mask"
+
+    @property
+    def relative(self) -> bool:
+        """Whether a condition reads q_idx - kv_idx (causal, a window): tiles it can skip."""
+        s = self.structure
+        return s.causal or s.window is not None or s.bidirectional_window is not None
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors this mask reads now: `shift`, `documents`, `padding` (None if unused)."""
+        return (self.shift, self.documents, self.padding)
+
+    def __flexfa_trace__(self, fn: LocalMask | ScoreMask, kind: str, device) -> TracedMod:
+        """The trace of `fn` (this mask, or one of its score_mods) from its twin's (Note [Mask
+        tensors rebound, not retraced])."""
+        softcap = fn.softcap if isinstance(fn, ScoreMask) else None
+        real = self.tensors()
+        if self.structure.others:  # traced as it is: the twin holds the real tensors
+            return trace(_twin(self, fn, real), kind, device=device)
+        form = tuple(None if t is None else (t.dtype, t.ndim, t.device) for t in real)
+        key = (kind, str(device), softcap, form)
+        bound = self._bound.get(key)
+        if bound is not None and all(a is b for a, b in zip(bound[0], real)):
+            return bound[1]
+        found = self._twins.get(key)
+        if found is None:
+            stand_ins = tuple(
+                None if t is None else torch.zeros((1,) * t.ndim, dtype=t.dtype, device=t.device)
+                for t in real
+            )
+            twin = trace(_twin(self, fn, stand_ins), kind, device=device)
+            found = self._twins[key] = (twin, stand_ins)
+        twin, stand_ins = found
+        by_id = {id(s): t for s, t in zip(stand_ins, real) if s is not None}
+        traced = twin.rebound(tensors=tuple(by_id[id(t)] for t in twin.tensors), fn=fn)
+        self._bound[key] = (real, traced)
+        return traced
 
     def as_score_mod(self, softcap: float | None = None) -> ScoreMask:
         """This mask as a score_mod, after an optional softcap; one object per cap."""
@@ -508,6 +585,27 @@ class ScoreMask:
         if self.softcap is not None:
             score = self.softcap * torch.tanh(score / self.softcap)
         return torch.where(self.mask(b, h, q_idx, kv_idx), score, -float("inf"))
+
+    def __flexfa_trace__(self, fn: ScoreMask, kind: str, device) -> TracedMod:
+        """Its mask's twin, with this softcap (Note [Mask tensors rebound, not retraced])."""
+        return self.mask.__flexfa_trace__(fn, kind, device)
+
+
+class _TwinMask(LocalMask):
+    """A LocalMask traced as it is (Note [Mask tensors rebound, not retraced])."""
+
+    __flexfa_trace__ = None
+
+
+class _TwinScoreMask(ScoreMask):
+    __flexfa_trace__ = None
+
+
+def _twin(mask: LocalMask, fn: LocalMask | ScoreMask, tensors) -> _TwinMask | _TwinScoreMask:
+    """A twin of `fn` (`mask` or one of its score_mods) reading `tensors` (see `tensors()`)."""
+    twin = _TwinMask(mask.structure)
+    twin.shift, twin.documents, twin.padding = tensors
+    return _TwinScoreMask(twin, fn.softcap) if isinstance(fn, ScoreMask) else twin
 
 
 def _absolute(fn, q_offset, kv_offset, device) -> Callable[..., Any]:
@@ -619,6 +717,9 @@ def attention_forward(
         mask_mod = attention_mask.mask_mod
         if not torch.compiler.is_compiling():
             block_mask = attention_mask.block_mask
+            if block_mask is None and mask_mod is not None and attention_mask.static_cache is None:
+                # Note [Short queries' padding as a score_mod]
+                score_mod = mask_mod.as_score_mod(float(softcap) if softcap else None)
         elif mask_mod is not None and query.shape[2] <= SHORT_QUERY:
             score_mod = mask_mod.as_score_mod(float(softcap) if softcap else None)
         else:

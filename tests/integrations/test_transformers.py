@@ -238,6 +238,59 @@ def test_decode_step_without_padding_needs_no_mask():
     assert mask.mask_mod is not None  # a full-length cache: the window excludes old keys
 
 
+def test_padded_decode_steps_are_traced_once(monkeypatch):
+    """Each step brings new padding and offset tensors; the mask is traced once, through its twin,
+    and the layers of one step share one traced mod (Note [Mask tensors rebound, not retraced])."""
+    import importlib
+
+    trace_module = importlib.import_module("flexfa.frontend.trace")  # the package's is a function
+    traced = []
+    real_trace = trace_module._trace
+
+    def counting(fn, kind, *args, **kwargs):
+        traced.append(kind)
+        return real_trace(fn, kind, *args, **kwargs)
+
+    monkeypatch.setattr(trace_module, "_trace", counting)
+    causal = transformers.masking_utils.causal_mask_function
+    gen = torch.Generator().manual_seed(5)
+    for step in range(3):
+        kv_len = 30 + step
+        padding = torch.ones(2, kv_len, dtype=torch.long)
+        padding[1, : 6 + step] = 0
+        mask = flexfa_hf.build_mask(
+            2, 1, kv_len, q_offset=kv_len - 1, mask_function=causal, attention_mask=padding
+        )
+        # Note [Short queries' padding as a score_mod]: no BlockMask for a padding-only step.
+        assert mask.block_mask is None and not mask.mask_mod.relative
+        q = torch.randn(2, 4, 1, 16, generator=gen)
+        k, v = (torch.randn(2, 2, kv_len, 16, generator=gen) for _ in range(2))
+        outs = [flexfa_hf.attention_forward(torch.nn.Module(), q, k, v, mask)[0] for _ in range(2)]
+        mods = [trace_module.trace_score_mod(mask.mask_mod.as_score_mod()) for _ in range(2)]
+        assert mods[0] is mods[1]
+        assert mods[0].tensors == (mask.mask_mod.padding,)
+        allowed = padding.bool()[:, None, None, :]
+        kr, vr = (t.repeat_interleave(2, dim=1) for t in (k, v))
+        scores = (q @ kr.transpose(-1, -2) / 4).masked_fill(~allowed, -float("inf"))
+        want = (scores.softmax(-1) @ vr).transpose(1, 2)
+        for out in outs:
+            _close(out, want, f"padded decode step {step}")
+    assert traced == [
+        "score_mod"
+    ]  # the twin's one trace: the BlockMask-free steps need no mask_mod
+
+    del traced[:]
+    for step in range(3):  # a static cache's steps: shifted causal, a BlockMask per step
+        padding = torch.ones(2, 40, dtype=torch.long)
+        padding[0, :3] = 0
+        offset = torch.tensor([20 + step])
+        mask = flexfa_hf.build_mask(
+            2, 1, 40, q_offset=offset, mask_function=causal, attention_mask=padding
+        )
+        assert mask.block_mask is not None and mask.mask_mod.relative
+    assert traced.count("mask_mod") == 1
+
+
 def test_unknown_mask_functions_are_kept_whole():
     """A composition flexfa does not recognise is called as transformers wrote it."""
     mu = transformers.masking_utils
@@ -319,6 +372,25 @@ def test_static_cache_decode_under_torch_compile():
     assert torch.equal(got, eager.generate(ids, **kwargs))
 
 
+@pytest.mark.slow
+def test_padded_generation_under_torch_compile():
+    """Gemma2's sliding and full layers have the same conditions at a padded decode step (only the
+    padding) but keys of their own lengths: each keeps its own mask object and tensors."""
+    torch._dynamo.reset()
+    eager, ours = _pair("gemma2")
+    ids = torch.randint(0, VOCAB, (2, 11), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    kwargs = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    ours.forward = torch.compile(ours.forward, backend="aot_eager")
+    try:
+        got = ours.generate(ids, **kwargs)
+    finally:
+        del ours.forward
+    want = eager.generate(ids, **kwargs)
+    assert torch.equal(got, want), f"{got.tolist()} != {want.tolist()}"
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_prefill_and_generation_on_gpu(family):
@@ -335,3 +407,8 @@ def test_prefill_and_generation_on_gpu(family):
     assert err <= 2e-3 * want.abs().max().item() + 1e-4, f"{family} logits on the GPU: {err:.3g}"
     kwargs = dict(max_new_tokens=16, do_sample=False)
     assert torch.equal(ours.generate(ids[:, :64], **kwargs), eager.generate(ids[:, :64], **kwargs))
+    padding = torch.ones(4, 64, dtype=torch.long, device="cuda")
+    padding[1, :9], padding[3, :40] = 0, 0  # left padding: its decode steps' mask as a score_mod
+    kwargs.update(attention_mask=padding, pad_token_id=0)
+    got, want = ours.generate(ids[:, :64], **kwargs), eager.generate(ids[:, :64], **kwargs)
+    assert torch.equal(got, want), f"{family} padded generation on the GPU"
