@@ -3,7 +3,7 @@
 For each case and shape it measures, in one process, the median time (`triton.testing.do_bench`)
 of the forward and of forward+backward with the mod's tensor frozen, the same with it learnable
 (its gradient accumulated by the kernels, Note [Scatter-add of captured gradients] in
-flexfa/codegen/triton/emit.py), learnable with `deterministic=True`, and torch FlexAttention
+flexfa/codegen/triton/scatter.py), learnable with `deterministic=True`, and torch FlexAttention
 (`torch.compile(flex_attention)`) on the same learnable call where it runs ("fails: <reason>"
 otherwise). All calls are causal. The table gives frozen/learnable and frozen/deterministic
 (fwd+bwd; 1.0 means a learnable tensor costs nothing) and torch/flexfa (learnable fwd+bwd; above 1

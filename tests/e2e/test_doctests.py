@@ -21,6 +21,7 @@ MODULES = [
     "flexfa.paged",
     "flexfa.codegen.cute.plan",
     "flexfa.codegen.cute.sparse",
+    "flexfa.codegen.triton.scatter",
     "flexfa.blockmask.block_mask",
     "flexfa.backends.fa4",
     "flexfa.torch_options",

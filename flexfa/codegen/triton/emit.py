@@ -15,44 +15,8 @@ in the gradient function also `c_grad_ptr` for each capture that needs a gradien
 each; the body is element-wise, so the same source serves any tile orientation.
 
 The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions appear once.
+The gradient function adds up captured tensors' gradients in the way scatter.py chooses per load.
 
-# Note [Scatter-add of captured gradients]
-# d loss / d capture[idx] sums `grad * d_load` over every (q, kv) pair whose load read capture[idx].
-# One float atomic per pair serializes wherever many pairs share an index: a clamped relative
-# distance sends every pair of every far tile to one entry (on an H200 that made a learnable
-# relative bias 190x slower than a frozen one). So contributions are summed in registers first,
-# and the way is chosen per load from its index expressions (`scatter_strategy`, static):
-#   TILE      reads neither q_idx nor kv_idx (b, h, constants): the tile's sum, one atomic.
-#   ROW       reads q_idx only: sums along the tile's kv axis, one atomic per query; COLUMN the same
-#             for kv_idx. `Q_AXIS` says which tile axis runs over queries (dQ kernel 0, dK/dV 1).
-#   DIAGONAL  every path from q_idx/kv_idx into the index passes through `q_idx - kv_idx` or a
-#             comparison of the two (relative positions, clamped, T5 log buckets with their sign
-#             test `kv_idx > q_idx`; `reads_only_distance`): the index is a function
-#             of the distance d, constant along the tile's diagonals. It is evaluated once per
-#             diagonal (q_idx := d, kv_idx := 0, a vector of 2 * max(rows, cols)); where all
-#             diagonals give one offset (far tiles of a clamped distance) the tile's sum takes one
-#             atomic, otherwise `flexfa_diagonal_sums` skews the tile with `tl.gather` (Triton
-#             3.2 and later, and its interpreter) so that each diagonal is a column, and each
-#             diagonal sum takes one atomic (rows + cols - 1 per tile).
-#   BLOCKED   q_idx and kv_idx reach the index only through `q_idx // c` (or `q_idx >> k`) with c a
-#             power of two, or directly (c = 1), and one of them through a c > 1 (a 2-D table
-#             indexed by (q_idx // 64, kv_idx // 64), Swin-style windows; `block_sizes`): the index
-#             is constant over aligned blocks of cq x ckv pairs, and tiles start at multiples of
-#             their power-of-two sides, so `flexfa_block_sums` sums the tile per block (a reshape
-#             and two sums) and the index is evaluated once per block (`flexfa_block_starts`):
-#             one atomic per block with a nonzero sum, no run-time test. Packed batches read
-#             positions from tensors, so their indices never take this way.
-#   GENERAL   anything else (gathers through other tensors, packed-batch positions, an index
-#             computed from the score, q_idx // c for c not a power of two):
-#             `flexfa_scatter_tile` looks at the tile's live offsets at run time: all equal -> one
-#             atomic of the tile's sum; two values -> two atomics; one offset per row (column) ->
-#             one atomic per row (column); one per 16 x 16 sub-block (tiles are multiples of 16)
-#             -> one atomic per sub-block; otherwise one per pair. Each test is a few reductions
-#             of an int32 tile, cheap next to the tile's matmuls, and runs only where the previous
-#             one failed. Only indices that change within 16 x 16 sub-blocks along both axes reach
-#             the per-pair atomics; those spread over many entries, so contend little.
-# Pairs outside `live` contribute 0 and are left out of every test.
-#
 # Note [Per-pair gathers]
 # A load whose index depends on both q_idx and kv_idx (a relative-position table, T5 buckets, a
 # 2-D table, an additive dense mask) reads one element per score. As a `tl.load` inside the KV
@@ -81,11 +45,11 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 #      every pair anyway, so the mode costs no extra kernel; its contributions may differ from
 #      the dQ kernel's in the last bits (another matmul order), which moves the scale by at most
 #      a factor 2 and leaves the headroom below 2**63.
-#   3  second pass: the reductions of Note [Scatter-add of captured gradients] form their float32
-#      sums in registers as in mode 1, and each sum is added as round(sum * capture_scales[j]) in
-#      int64 (`flexfa_fixed`), where the launcher chose the scale 2**k so that (number of pairs) *
-#      max |contribution| * scale < 2**62: no sum overflows, and the quantization step is far below
-#      float32 rounding. A program's sums are the same at every run (the same tile, the same
+#   3  second pass: the reductions of Note [Scatter-add of captured gradients] (scatter.py) form
+#      their float32 sums in registers as in mode 1, and each sum is added as
+#      round(sum * capture_scales[j]) in int64 (`flexfa_fixed`), where the launcher chose the
+#      scale 2**k so that (number of pairs) * max |contribution| * scale < 2**62: no sum
+#      overflows, and the quantization step is far below float32 rounding. A program's sums are the same at every run (the same tile, the same
 #      reduction order, the same branch for the same indices), so only the order of the atomics
 #      varies, and integer addition does not see it. (An earlier version quantized every
 #      contribution before any sum, which made the result independent of the tile shape too, at
@@ -96,11 +60,11 @@ The body is SSA: one line per IR node, named t0, t1, ... Shared subexpressions a
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 
 import torch
 
+from flexfa.codegen.triton.scatter import ScatterStrategy, block_sizes, index_axes, scatter_strategy
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.dtypes import DType
@@ -499,116 +463,6 @@ def gathered_outside_pipeline(load: Node) -> bool:
     return torch.version.hip is None and load.srcs[0].arg.dtype in _ASM_GATHER_DTYPES
 
 
-def index_axes(load: Node) -> frozenset[str]:
-    """Which of q_idx / kv_idx a load's indices depend on (decides how its gradient scatters)."""
-    deps: set[str] = set()
-    for node in load.srcs[1:]:
-        deps |= {n.arg for n in toposort([node]) if n.op is Op.VAR}
-    return frozenset(deps & {"q_idx", "kv_idx"})
-
-
-class ScatterStrategy(enum.Enum):
-    """How the gradient of one load of a captured tensor is added up (Note [Scatter-add of
-    captured gradients])."""
-
-    TILE = "tile"  # the index reads neither q_idx nor kv_idx: one atomic per tile
-    ROW = "row"  # q_idx only: summed along the tile's kv axis, one atomic per query
-    COLUMN = "column"  # kv_idx only: summed along the q axis, one atomic per key
-    DIAGONAL = "diagonal"  # q_idx - kv_idx only: one atomic per tile diagonal
-    BLOCKED = "blocked"  # q_idx // c, kv_idx // c': one atomic per block of the tile
-    GENERAL = "general"  # anything else: decided per tile at run time
-
-
-def _is_distance(node: Node) -> bool:
-    """`q_idx - kv_idx`, `kv_idx - q_idx`, or a comparison of the two (`kv_idx > q_idx`, as in
-    T5's buckets): values of the distance alone, which keep their value when q_idx := q_idx -
-    kv_idx and kv_idx := 0."""
-    if node.op not in (Op.SUB, Op.LT, Op.LE, Op.EQ, Op.NE):
-        return False
-    names = tuple(s.arg if s.op is Op.VAR else None for s in node.srcs)
-    return names in (("q_idx", "kv_idx"), ("kv_idx", "q_idx"))
-
-
-def reads_only_distance(nodes: tuple[Node, ...] | list[Node]) -> bool:
-    """Whether every path from q_idx or kv_idx into `nodes` passes through a `q_idx - kv_idx` (or
-    `kv_idx - q_idx`) node, so that their values are a function of the distance alone and do not
-    change when q_idx := q_idx - kv_idx and kv_idx := 0."""
-    seen: set[int] = set()
-    found = False
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        if _is_distance(n):
-            found = True
-            continue
-        if n.op is Op.VAR and n.arg in ("q_idx", "kv_idx"):
-            return False
-        stack.extend(n.srcs)
-    return found
-
-
-def _block_of(node: Node) -> tuple[str, int] | None:
-    """(variable, c) for `q_idx // c` or `kv_idx >> k` (c = 2**k), c a power of two."""
-    if node.op not in (Op.FLOORDIV, Op.SHR) or len(node.srcs) != 2:
-        return None
-    var, by = node.srcs
-    if var.op is not Op.VAR or var.arg not in ("q_idx", "kv_idx") or by.op is not Op.CONST:
-        return None
-    value = by.const_value()
-    if type(value) is not int:
-        return None
-    if node.op is Op.SHR:
-        c = 1 << value if 0 <= value < 31 else 0
-    else:
-        c = value
-    return (var.arg, c) if c >= 1 and c & (c - 1) == 0 else None
-
-
-def block_sizes(nodes: tuple[Node, ...] | list[Node]) -> tuple[int, int]:
-    """(cq, ckv): powers of two such that `nodes` keep their values over every block of cq aligned
-    queries by ckv aligned keys, read from how q_idx and kv_idx reach them: only through
-    `q_idx // c` (or `>> k`) gives that c (the smallest, if several), any other way 1."""
-    sizes = {"q_idx": 0, "kv_idx": 0}  # 0: not reached
-    seen: set[int] = set()
-    stack = list(nodes)
-    while stack:
-        n = stack.pop()
-        if id(n) in seen:
-            continue
-        seen.add(id(n))
-        block = _block_of(n)
-        if block is not None:
-            var, c = block
-            sizes[var] = c if not sizes[var] else min(sizes[var], c)
-            continue
-        if n.op is Op.VAR and n.arg in sizes:
-            sizes[n.arg] = 1
-            continue
-        stack.extend(n.srcs)
-    return max(sizes["q_idx"], 1), max(sizes["kv_idx"], 1)
-
-
-def scatter_strategy(load: Node) -> ScatterStrategy:
-    """The accumulation of a load's gradient, chosen from its index expressions (static)."""
-    if any(depends_on(n, "score") for n in load.srcs[1:]):
-        return ScatterStrategy.GENERAL  # an index computed from the score varies over any tile
-    axes = index_axes(load)
-    if not axes:
-        return ScatterStrategy.TILE
-    if axes == {"q_idx"}:
-        return ScatterStrategy.ROW
-    if axes == {"kv_idx"}:
-        return ScatterStrategy.COLUMN
-    if reads_only_distance(load.srcs[1:]):
-        return ScatterStrategy.DIAGONAL
-    if max(block_sizes(load.srcs[1:])) > 1:
-        return ScatterStrategy.BLOCKED
-    return ScatterStrategy.GENERAL
-
-
 def _offset_and_guard(idx: list[str], p: CaptureParams) -> tuple[str, str]:
     offset = " + ".join(f"{ix} * {s}" for ix, s in zip(idx, p.strides))
     guards = " & ".join(f"({ix} >= 0) & ({ix} < {size})" for ix, size in zip(idx, p.sizes))
@@ -616,7 +470,8 @@ def _offset_and_guard(idx: list[str], p: CaptureParams) -> tuple[str, str]:
 
 
 def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) -> list[str]:
-    """Scatter-add of grad * d_load into the capture's gradient (Note [Scatter-add ...])."""
+    """Scatter-add of grad * d_load into the capture's gradient, in the way `scatter_strategy`
+    chose (Note [Scatter-add of captured gradients] in scatter.py)."""
     cap: Capture = load.srcs[0].arg
     p = caps[cap.slot]
     index_nodes = load.srcs[1:]

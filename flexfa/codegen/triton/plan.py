@@ -8,7 +8,7 @@ import types
 
 import torch
 
-from flexfa.codegen.triton import autotune, emit
+from flexfa.codegen.triton import autotune, emit, scatter
 from flexfa.codegen.triton import configs as cfgs
 from flexfa.codegen.triton.module import load_module
 from flexfa.codegen.triton.params import ModuleKey
@@ -144,7 +144,7 @@ def _pairwise_loads(spec: AttentionSpec, capability: tuple[int, int] | None) -> 
         if mod is None:
             continue
         for node in toposort([mod.output]):
-            if node.op is not Op.LOAD or emit.index_axes(node) != {"q_idx", "kv_idx"}:
+            if node.op is not Op.LOAD or scatter.index_axes(node) != {"q_idx", "kv_idx"}:
                 continue
             if capability is not None and emit.gathered_outside_pipeline(node):
                 gathers = True
@@ -163,8 +163,9 @@ def _scatters_full_tiles(spec: AttentionSpec) -> bool:
     if spec.score_mod is None or not spec.score_grad_slots:
         return False
     grad = spec.score_mod.gradient(spec.score_grad_slots)
-    per_pair = (emit.ScatterStrategy.DIAGONAL, emit.ScatterStrategy.GENERAL)
+    per_pair = (scatter.ScatterStrategy.DIAGONAL, scatter.ScatterStrategy.GENERAL)
     return any(
-        emit.index_axes(g.load) == {"q_idx", "kv_idx"} and emit.scatter_strategy(g.load) in per_pair
+        scatter.index_axes(g.load) == {"q_idx", "kv_idx"}
+        and scatter.scatter_strategy(g.load) in per_pair
         for g in grad.loads
     )

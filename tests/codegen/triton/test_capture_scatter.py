@@ -1,5 +1,5 @@
 """Accumulation of captured-tensor gradients in the Triton backward (Note [Scatter-add of captured
-gradients] in flexfa/codegen/triton/emit.py): which strategy each index expression gets, and each
+gradients] in flexfa/codegen/triton/scatter.py): which strategy each index expression gets, and each
 strategy (and each run-time branch of the per-tile one) against the float64 reference, with float
 atomics and with `deterministic=True`. CPU runs use Triton's interpreter at tiny sizes."""
 
@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import flexfa
-from flexfa.codegen.triton.emit import ScatterStrategy, emit_score_mod_grad, scatter_strategy
+from flexfa.codegen.triton.emit import emit_score_mod_grad
+from flexfa.codegen.triton.scatter import ScatterStrategy, scatter_strategy
 from flexfa.frontend.trace import trace_score_mod
 from tests.e2e.harness import INTERPRETER_TILES, Problem, check_attention
 from tests.mods import BuiltMod
