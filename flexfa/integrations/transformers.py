@@ -133,6 +133,31 @@ class StaticCacheLengths:
     capacity: int
 
 
+@dataclasses.dataclass(eq=False)
+class PackedDocuments:
+    """A packed batch row as flexfa's packed call reads it (Note [Packed sequences as a packed
+    call]): the documents' ids, the mask inside each document, and the documents' offsets on the
+    host, read from the ids when a layer first asks (compiled layers never do)."""
+
+    ids: torch.Tensor  # (L,) a document id per token
+    mask_mod: LocalMask | None  # causal, a window: on positions within each document
+    _offsets: torch.Tensor | None = None
+    _read: bool = False
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor | None:
+        """(documents + 1,) int32 offsets on the CPU, or None where an id is not one run of tokens
+        (then they are not documents: the layers keep the document mask)."""
+        if not self._read:
+            ids = self.ids.cpu()  # the one copy to the host
+            if ids.numel() < 2 or not bool((ids[1:] < ids[:-1]).any()):
+                _, lengths = torch.unique_consecutive(ids, return_counts=True)
+                self._offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+                torch.cumsum(lengths, 0, out=self._offsets[1:])
+            self._read = True
+        return self._offsets
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class TransformersMask:
     """What `build_mask` hands to every attention layer of one kind for one forward.
@@ -150,6 +175,8 @@ class TransformersMask:
     # A static cache's decode step, eagerly: the cache as a paged pool of one page per sequence
     # (Note [Static caches as page pools]).
     static_cache: StaticCacheLengths | None = None
+    # A packed batch of one row, eagerly (Note [Packed sequences as a packed call]).
+    packed: PackedDocuments | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -196,8 +223,11 @@ def build_mask(
     block_mask = static = None
     if _static_decode(parts, padding, q_length, q_offset, kv_offset):
         static = _static_cache_lengths(batch_size, kv_length, q_offset, torch.device(device))
+    packed = _packed_documents(parts, padding, batch_size, q_length, kv_length, device)
     if mask_mod is not None:
-        if q_length <= SHORT_QUERY and not mask_mod.relative:
+        if packed is not None:
+            pass  # Note [Packed sequences as a packed call]: no BlockMask of the whole row
+        elif q_length <= SHORT_QUERY and not mask_mod.relative:
             pass  # Note [Short queries' padding as a score_mod]
         elif static is None:
             # Built now, from the tensors of this call (the LocalMask's are replaced by the next).
@@ -211,7 +241,44 @@ def build_mask(
         _softcap(
             cap
         )  # made here too, out of a compiled graph (Note [Masks under torch.compile ...])
-    return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask, static)
+    return TransformersMask(batch_size, q_length, kv_length, mask_mod, block_mask, static, packed)
+
+
+# Note [Packed sequences as a packed call]
+# transformers detects packed sequences (one row of documents, position_ids restarting at each)
+# and describes them by a document id per token, a mask `docs[q_idx] == docs[kv_idx]` beside the
+# causal or window condition. As a mask_mod that is a block-sparse call over the whole row, whose
+# tiles where two documents meet are evaluated per pair. flexfa's packed call (`cu_seqlens_q`,
+# `cu_seqlens_kv`, flexfa/varlen.py) runs the same row as documents: tiles never cross a
+# document, the condition inside each is the causal or window mask on positions within it (the
+# same values, since positions within a document are consecutive), and on the fa4 backend it is
+# FA4's own varlen kernel. So an eager call on a packed row of one batch element takes that path:
+# `build_mask` builds no BlockMask, and the first layer reads the documents' offsets from the ids
+# (one copy to the host per forward, where transformers' own flash-attention path also reads its
+# offsets) after checking that each id is one run of tokens; every layer passes the same host
+# offsets, which cost no synchronization (Note [Offsets on the host] in flexfa/varlen.py).
+# Inside torch.compile the layers keep the mask_mod (flexfa's compiled op runs it over the row)
+# and never read the offsets; batches of several packed rows keep the mask_mod too. On GPUs only (`PACKED_CALL_DEVICES`): on the 2-core CPU the tiled
+# backend ran a tiny Llama's packed training step (3,048 tokens, six documents) in 750 ms as a
+# packed call against 634 ms with the document mask, whose per-pair condition it evaluates more
+# cheaply than the packed call's positions.
+#: Devices whose packed rows take flexfa's packed call (Note [Packed sequences as a packed call]).
+PACKED_CALL_DEVICES = frozenset({"cuda"})
+
+
+def _packed_documents(
+    parts: MaskParts, padding, batch: int, len_q: int, len_kv: int, device
+) -> PackedDocuments | None:
+    """The packed call of a packed row (Note [Packed sequences as a packed call]), or None."""
+    docs = parts.documents
+    if docs is None or batch != 1 or padding is not None or parts.others or len_q != len_kv:
+        return None
+    if torch.device(device).type not in PACKED_CALL_DEVICES:
+        return None
+    if docs.ndim != 2 or docs.shape[0] != 1 or docs.shape[1] != len_q:
+        return None
+    inner = dataclasses.replace(parts, documents=None)
+    return PackedDocuments(docs[0], _local_mask_mod(inner, None, len_q, len_kv, 0, 0, device))
 
 
 # Note [Short queries' padding as a score_mod]
@@ -717,7 +784,8 @@ def attention_forward(
         mask_mod = attention_mask.mask_mod
         if not torch.compiler.is_compiling():
             block_mask = attention_mask.block_mask
-            if block_mask is None and mask_mod is not None and attention_mask.static_cache is None:
+            built_none = attention_mask.static_cache is None and attention_mask.packed is None
+            if block_mask is None and mask_mod is not None and built_none:
                 # Note [Short queries' padding as a score_mod]
                 score_mod = mask_mod.as_score_mod(float(softcap) if softcap else None)
         elif mask_mod is not None and query.shape[2] <= SHORT_QUERY:
@@ -742,7 +810,15 @@ def attention_forward(
             "the name given to flexfa.integrations.transformers.register()"
         )
     enable_gqa = query.shape[1] != key.shape[1]
-    paged = {}
+    layout = {}  # how flexfa reads the batch: as a packed row, or a static cache as pages
+    packed = getattr(attention_mask, "packed", None)
+    if packed is not None and not torch.compiler.is_compiling():
+        cu = packed.cu_seqlens  # Note [Packed sequences as a packed call]
+        if cu is not None and query.shape[0] == 1:
+            layout = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+            block_mask = packed.mask_mod
+        else:  # not documents after all: the document mask, built by flexfa for these shapes
+            block_mask = attention_mask.mask_mod
     static = getattr(attention_mask, "static_cache", None)
     if (
         static is not None
@@ -750,15 +826,15 @@ def attention_forward(
         and key.shape[0] == static.kv_lens.shape[0]
         and key.shape[2] == static.capacity
     ):  # Note [Static caches as page pools]
-        paged = dict(page_table=static.page_table, kv_lens=static.kv_lens)
+        layout = dict(page_table=static.page_table, kv_lens=static.kv_lens)
         block_mask = None
     elif static is not None and not torch.compiler.is_compiling():
         block_mask = attention_mask.mask_mod  # built for this call's keys
     call = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=enable_gqa)
     if s_aux is None:
-        out = flexfa.attention(query, key, value, **call, **paged)
+        out = flexfa.attention(query, key, value, **call, **layout)
     else:
-        out, lse = flexfa.attention(query, key, value, **call, **paged, return_lse=True)
+        out, lse = flexfa.attention(query, key, value, **call, **layout, return_lse=True)
         out = _apply_sinks(out, lse, s_aux)
     # flexfa's output has q's memory layout, (B, Lq, Hq, E) in memory for transformers' q.
     return out.transpose(1, 2), None
@@ -772,4 +848,11 @@ def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> t
     return (out.float() * factor.unsqueeze(-1)).to(out.dtype)
 
 
-__all__ = ["MaskParts", "TransformersMask", "attention_forward", "build_mask", "register"]
+__all__ = [
+    "MaskParts",
+    "PackedDocuments",
+    "TransformersMask",
+    "attention_forward",
+    "build_mask",
+    "register",
+]

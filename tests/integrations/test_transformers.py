@@ -158,8 +158,17 @@ def _packed_inputs():
     return ids, positions, lengths
 
 
+@pytest.fixture(params=["mask", "packed_call"])
+def packed_row_as(request, monkeypatch):
+    """A packed row as a document mask (the CPU's way) or as flexfa's packed call (the GPU's,
+    Note [Packed sequences as a packed call]), both on this device."""
+    if request.param == "packed_call":
+        monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset({"cpu", "cuda"}))
+    return request.param
+
+
 @pytest.mark.parametrize("family", ["llama", "mistral", "gemma2"])
-def test_packed_sequences_are_independent(family):
+def test_packed_sequences_are_independent(family, packed_row_as):
     """Each packed document's logits equal its logits alone (by eager), and eager's packed run."""
     eager, ours = _pair(family)
     ids, positions, lengths = _packed_inputs()
@@ -174,6 +183,67 @@ def test_packed_sequences_are_independent(family):
             start += n
 
 
+def test_a_packed_row_is_a_packed_call(monkeypatch):
+    """Note [Packed sequences as a packed call]: every layer passes the documents' offsets (on the
+    host) and the causal mask inside them; no BlockMask of the whole row is built."""
+    monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset({"cpu"}))
+    _, ours = _pair("gemma2")  # a sliding and a full layer
+    ids, positions, lengths = _packed_inputs()
+    calls, built = [], []
+    attention, create = flexfa_hf.flexfa.attention, flexfa_hf.flexfa.create_block_mask
+
+    def recording(q, k, v, **kwargs):
+        calls.append(kwargs)
+        return attention(q, k, v, **kwargs)
+
+    def counting(*args, **kwargs):
+        built.append(args[3:5])
+        return create(*args, **kwargs)
+
+    monkeypatch.setattr(flexfa_hf.flexfa, "attention", recording)
+    monkeypatch.setattr(flexfa_hf.flexfa, "create_block_mask", counting)
+    with torch.no_grad():
+        ours(ids, position_ids=positions, use_cache=False)
+    assert len(calls) == 2 and not built
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    for kwargs in calls:
+        cu = kwargs["cu_seqlens_q"]
+        assert cu is kwargs["cu_seqlens_kv"] and cu.device.type == "cpu"
+        assert torch.equal(cu, offsets), cu
+        assert (
+            kwargs["block_mask"].structure.causal and not kwargs["block_mask"].structure.documents
+        )
+    windows = sorted(str(kw["block_mask"].structure.window) for kw in calls)
+    assert windows == ["9", "None"]  # the sliding layer's window, inside each document
+
+    # Batches of several packed rows keep the document mask (no packed call), as do devices
+    # outside PACKED_CALL_DEVICES.
+    for batch, devices in ((2, {"cpu"}), (1, {"cuda"})):
+        monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset(devices))
+        calls.clear()
+        with torch.no_grad():
+            ours(ids.expand(batch, -1), position_ids=positions.expand(batch, -1), use_cache=False)
+        assert calls and all("cu_seqlens_q" not in kw for kw in calls)
+
+
+def test_document_ids_in_several_runs_keep_the_document_mask(monkeypatch):
+    """Ids that are not one run of tokens each are not documents for a packed call: the layers
+    keep the document mask (Note [Packed sequences as a packed call])."""
+    monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset({"cpu"}))
+    mu = transformers.masking_utils
+    docs = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 2, 2, 2, 2]])
+    fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(docs))
+    mask = flexfa_hf.build_mask(1, 11, 11, mask_function=fn)
+    assert mask.packed is not None and mask.packed.cu_seqlens is None
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 11, 16, generator=gen) for _ in range(3))
+    got = flexfa_hf.attention_forward(torch.nn.Module(), q, k, v, mask)[0].transpose(1, 2)
+    i = torch.arange(11)
+    allowed = (i[:, None] >= i[None, :]) & (docs[0][:, None] == docs[0][None, :])
+    scores = (q @ k.transpose(-1, -2) / 4).masked_fill(~allowed, -float("inf"))
+    _close(got, scores.softmax(-1) @ v, "ids in several runs")
+
+
 def _grads(model, ids, positions):
     model.zero_grad(set_to_none=True)
     logits = model(ids, position_ids=positions, use_cache=False).logits
@@ -183,7 +253,7 @@ def _grads(model, ids, positions):
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
-def test_training_step_gradients_match_eager(family):
+def test_training_step_gradients_match_eager(family, packed_row_as):
     eager, ours = _pair(family)
     ids, positions, _ = _packed_inputs()
     eager.train(), ours.train()
@@ -412,3 +482,23 @@ def test_prefill_and_generation_on_gpu(family):
     kwargs.update(attention_mask=padding, pad_token_id=0)
     got, want = ours.generate(ids[:, :64], **kwargs), eager.generate(ids[:, :64], **kwargs)
     assert torch.equal(got, want), f"{family} padded generation on the GPU"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_packed_training_step_on_gpu(family):
+    """A packed row on the GPU (Note [Packed sequences as a packed call]): logits and gradients
+    against eager attention on the same packed row."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    eager, ours = _pair(family)
+    eager, ours = copy.deepcopy(eager).cuda().train(), copy.deepcopy(ours).cuda().train()
+    lengths = [70, 129, 5, 300, 64]
+    ids = torch.randint(0, VOCAB, (1, sum(lengths)), device="cuda")
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].cuda()
+    want, got = _grads(eager, ids, positions), _grads(ours, ids, positions)
+    assert want.keys() == got.keys()
+    for name in want:  # float32 with TF32 matmuls on either side, as in the test above
+        err = (got[name] - want[name]).abs().max().item()
+        bound = 2e-3 * want[name].abs().max().item() + 1e-4
+        assert err <= bound, f"{family} packed grad of {name} on the GPU: {err:.3g} > {bound:.3g}"
