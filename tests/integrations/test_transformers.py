@@ -2,7 +2,8 @@
 
 Tiny random models (hidden 64, 2 layers, vocab 128) of five families run with
 `attn_implementation="flexfa"` against the same weights with `"eager"`, in float32 on the CPU:
-logits, padded batches, greedy generation, packed sequences and training gradients.
+logits, padded batches, greedy generation, packed sequences and training gradients; six more
+families for logits and generation.
 """
 
 from __future__ import annotations
@@ -23,17 +24,20 @@ VOCAB = 128
 ATOL, RTOL = 2e-5, 1e-4
 
 
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=256,
+    head_dim=16,
+)
+
+
 def _config(family: str):
-    common = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        head_dim=16,
-    )
+    common = _COMMON
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "qwen2":
@@ -84,6 +88,69 @@ def _pair(family: str):
         assert eager.config._attn_implementation == "eager"
         _models[family] = (eager.eval(), ours.eval())
     return _models[family]
+
+
+def _more_configs(family: str):
+    """Other families' tiny configs: masks and layers the five above do not have (Gemma3's and
+    Cohere2's layer types, Llama4's chunked attention read as transformers wrote it, encoders'
+    bidirectional and local-window masks)."""
+    if family == "qwen3":
+        return transformers.Qwen3Config(**_COMMON)
+    if family == "gemma3_text":
+        return transformers.Gemma3TextConfig(
+            **_COMMON, sliding_window=9, layer_types=["sliding_attention", "full_attention"]
+        )
+    if family == "cohere2":
+        return transformers.Cohere2Config(
+            **_COMMON, sliding_window=9, layer_types=["sliding_attention", "full_attention"]
+        )
+    if family == "llama4_text":
+        return transformers.Llama4TextConfig(
+            **_COMMON, attention_chunk_size=8, num_local_experts=2, intermediate_size_mlp=128,
+            no_rope_layers=[1, 0], moe_layers=[],
+        )  # fmt: skip
+    encoder = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, vocab_size=VOCAB, max_position_embeddings=256)  # fmt: skip
+    if family == "bert":
+        return transformers.BertConfig(**encoder)
+    if family == "modernbert":
+        return transformers.ModernBertConfig(
+            **encoder, local_attention=8, global_attn_every_n_layers=2, pad_token_id=0,
+            eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1,
+        )  # fmt: skip
+    raise ValueError(family)
+
+
+@pytest.mark.parametrize(
+    "family", ["qwen3", "gemma3_text", "cohere2", "llama4_text", "bert", "modernbert"]
+)
+def test_more_families_match_eager(family):
+    """Logits with and without left padding, and greedy generation for the decoders."""
+    torch.manual_seed(0)
+    config = _more_configs(family)
+    auto = transformers.AutoModel if family in ("bert", "modernbert") else None
+    auto = auto or transformers.AutoModelForCausalLM
+    eager = auto.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ours = auto.from_config(copy.deepcopy(config), attn_implementation=NAME).eval()
+    ours.load_state_dict(eager.state_dict())
+    ids = torch.randint(1, VOCAB, (3, 23), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(3, 23, dtype=torch.long)
+    mask[0, :7], mask[2, :5] = 0, 0
+
+    def output(model, **kwargs):
+        out = model(ids, **kwargs)
+        return out.logits if auto is transformers.AutoModelForCausalLM else out.last_hidden_state
+
+    with torch.no_grad():
+        _close(output(ours), output(eager), f"{family} logits")
+        real = mask.bool()
+        want = output(eager, attention_mask=mask)[real]
+        _close(output(ours, attention_mask=mask)[real], want, f"{family} padded logits")
+    if auto is transformers.AutoModelForCausalLM:
+        kwargs = dict(attention_mask=mask[:, :11], max_new_tokens=12, do_sample=False,
+                      pad_token_id=0)  # fmt: skip
+        got, want = ours.generate(ids[:, :11], **kwargs), eager.generate(ids[:, :11], **kwargs)
+        assert torch.equal(got, want), f"{family}: {got.tolist()} != {want.tolist()}"
 
 
 def _close(got, want, what):
