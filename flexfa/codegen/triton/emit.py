@@ -64,7 +64,13 @@ import math
 
 import torch
 
-from flexfa.codegen.triton.scatter import ScatterStrategy, block_sizes, index_axes, scatter_strategy
+from flexfa.codegen.triton.scatter import (
+    ScatterStrategy,
+    block_sizes,
+    index_axes,
+    monotone_in_distance,
+    scatter_strategy,
+)
 from flexfa.frontend.trace import TracedMod
 from flexfa.ir.autodiff import ScoreModGradient
 from flexfa.ir.dtypes import DType
@@ -125,6 +131,7 @@ HELPERS = (
     "flexfa_scatter_tile",
     "flexfa_scatter_sub_blocks",
     "flexfa_tile_distances",
+    "flexfa_tile_distance_range",
     "flexfa_diagonal_sums",
     "flexfa_block_starts",
     "flexfa_block_sums",
@@ -537,22 +544,55 @@ def _scatter_lines(i: int, j: int, load: Node, d_load: Node, body: _Body, caps) 
         return lines + ["    " + line for line in body_lines]
     # DIAGONAL: the index is a function of d = q_idx - kv_idx, so it is evaluated once per
     # diagonal of the tile (a vector), with q_idx := d and kv_idx := 0 (reads_only_distance says
-    # that gives the same value). Equal offsets on every diagonal: one atomic of the tile's sum.
+    # that gives the same value), and each diagonal's sum takes one atomic; a tile whose diagonals
+    # all give one offset (far tiles of a clamped distance) takes one atomic of its sum.
     diag = _Body({**_VAR_PARAMS, "q_idx": f"d{i}", "kv_idx": "0"}, prefix=f"u{i}_")
     diag.emit(list(index_nodes))
     d_offset, d_guards = _offset_and_guard([diag.name(s) for s in index_nodes], p)
-    body_lines = [
+    one_atomic = (
+        f"tl.atomic_add({p.grad_ptr} + {{offset}}, "
+        f"flexfa_fixed(tl.sum(tl.sum({v}, 1), 0), {scale}, CAPTURE_MODE))"
+    )
+    per_diagonal = [
+        f"s{i} = flexfa_fixed(flexfa_diagonal_sums({v}), {scale}, CAPTURE_MODE)",
+        f"tl.atomic_add({p.grad_ptr} + o{i}, s{i}, mask=m{i} & (s{i} != 0))",
+    ]
+    vector = [
         f"d{i}, e{i} = flexfa_tile_distances({c}, q_idx, kv_idx, Q_AXIS)",
         *diag.lines,
         f"o{i} = ({d_offset}) + tl.zeros_like(d{i})",
         f"m{i} = ((({d_guards}) + tl.zeros_like(d{i})) != 0) & e{i}",
+    ]
+    if monotone_in_distance(index_nodes):
+        # Note [Far tiles decided at their corners] in scatter.py: the index at the tile's least
+        # and greatest distance decides, the vector is evaluated only where it differs.
+        ends = []
+        for end in ("lo", "hi"):
+            body = _Body({**_VAR_PARAMS, "q_idx": f"d{end}{i}", "kv_idx": "0"}, prefix=f"{end}{i}_")
+            body.emit(list(index_nodes))
+            ends.append((body, [body.name(s) for s in index_nodes]))
+        (lo, lo_idx), (hi, hi_idx) = ends
+        same = " & ".join(f"({a} == {b})" for a, b in zip(lo_idx, hi_idx) if a != b) or "True"
+        lo_offset, lo_guards = _offset_and_guard(lo_idx, p)
+        body_lines = [
+            f"dlo{i}, dhi{i} = flexfa_tile_distance_range({c}, q_idx, kv_idx, Q_AXIS)",
+            *lo.lines,
+            *hi.lines,
+            f"if {same}:",
+            f"    if {lo_guards}:",
+            "        " + one_atomic.format(offset=f"({lo_offset})"),
+            "else:",
+            *("    " + line for line in [*vector, *per_diagonal]),
+        ]
+        return lines + ["    " + line for line in body_lines]
+    # Otherwise the vector decides: equal offsets on every diagonal take one atomic.
+    body_lines = [
+        *vector,
         f"lo{i} = tl.min(tl.where(m{i}, o{i}, 2147483647), 0)",
         f"hi{i} = tl.max(tl.where(m{i}, o{i}, -1), 0)",
         f"if lo{i} == hi{i}:",
-        f"    tl.atomic_add({p.grad_ptr} + hi{i}, "
-        f"flexfa_fixed(tl.sum(tl.sum({v}, 1), 0), {scale}, CAPTURE_MODE))",
+        "    " + one_atomic.format(offset=f"hi{i}"),
         f"elif lo{i} < hi{i}:",
-        f"    s{i} = flexfa_fixed(flexfa_diagonal_sums({v}), {scale}, CAPTURE_MODE)",
-        f"    tl.atomic_add({p.grad_ptr} + o{i}, s{i}, mask=m{i} & (s{i} != 0))",
+        *("    " + line for line in per_diagonal),
     ]
     return lines + ["    " + line for line in body_lines]

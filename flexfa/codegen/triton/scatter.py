@@ -125,6 +125,89 @@ def reads_only_distance(nodes: Sequence[Node]) -> bool:
     return found
 
 
+# Note [Far tiles decided at their corners]
+# A DIAGONAL index is a function f of the distance d = q_idx - kv_idx, and a tile spans the
+# distances [dmin, dmax] (its corners). Most tiles of a clamped relative table are far: f takes
+# one value on all of them. Deciding that from the vector of f on every diagonal takes its
+# evaluation (2 * max(rows, cols) values) and two block-wide reductions per tile. When f is
+# monotone in d, f is constant on [dmin, dmax] exactly when f(dmin) == f(dmax): two scalar
+# evaluations decide it, and the vector is evaluated only for the tiles that need per-diagonal
+# sums. `distance_direction` proves monotonicity structurally, from operations that keep order
+# exactly (integer and float addition, multiplication or division by a constant of known sign,
+# floor division and shifts by a positive constant, min, max, floor, ceil, casts) and from the
+# distance nodes themselves (a comparison of q_idx and kv_idx is a step in d). Transcendental
+# functions are left out: their approximations need not keep order to the last bit, and a
+# difference of one bit at a cast would put a diagonal's sum at another entry.
+_SAME_ORDER = frozenset({Op.FLOOR, Op.CEIL, Op.CAST})
+
+
+def _combine(a: int | None, b: int | None) -> int | None:
+    """The direction of the sum of two functions of those directions (None: unknown)."""
+    if a is None or b is None:
+        return None
+    if a == 0 or a == b:
+        return b
+    return a if b == 0 else None
+
+
+def _constant_sign(node: Node) -> int | None:
+    if node.op is not Op.CONST or isinstance(node.arg, bool):
+        return None
+    value = node.const_value()
+    return (value > 0) - (value < 0) if isinstance(value, int | float) else None
+
+
+def distance_direction(node: Node, memo: dict[int, int | None] | None = None) -> int | None:
+    """+1 if `node` is a non-decreasing function of d = q_idx - kv_idx over a tile (b, h and
+    lifted scalars held), -1 if non-increasing, 0 if it does not read the positions, None when
+    that is not proved (Note [Far tiles decided at their corners])."""
+    memo = {} if memo is None else memo
+    key = id(node)
+    if key not in memo:
+        memo[key] = _direction(node, memo)
+    return memo[key]
+
+
+def _direction(n: Node, memo: dict[int, int | None]) -> int | None:
+    op = n.op
+    if op in (Op.CONST, Op.SCALAR):
+        return 0
+    if op is Op.VAR:
+        return None if n.arg in (*_POSITIONS, "score") else 0
+    if _is_distance(n):
+        d_first = n.srcs[0].arg == "q_idx"  # q - kv (d), or kv - q (-d)
+        if op is Op.SUB:
+            return 1 if d_first else -1
+        if op in (Op.LT, Op.LE):  # q < kv is d < 0: true below some d, a falling step
+            return -1 if d_first else 1
+        return None  # == and != are not monotone
+    srcs = [distance_direction(s, memo) for s in n.srcs]
+    if op in _SAME_ORDER or op is Op.NEG:
+        return None if srcs[0] is None else (-srcs[0] if op is Op.NEG else srcs[0])
+    if op in (Op.ADD, Op.MIN, Op.MAX):
+        return _combine(srcs[0], srcs[1])
+    if op is Op.SUB:
+        return _combine(srcs[0], None if srcs[1] is None else -srcs[1])
+    if op in (Op.MUL, Op.TRUEDIV, Op.FLOORDIV, Op.SHR):
+        if srcs[0] == 0 and srcs[1] == 0:
+            return 0
+        if op is Op.MUL and srcs[0] == 0:  # c * f
+            sign, f = _constant_sign(n.srcs[0]), srcs[1]
+        else:  # f * c, f / c, f // c, f >> c
+            sign, f = _constant_sign(n.srcs[1]), srcs[0]
+        if sign is None or f is None or (op is not Op.MUL and sign <= 0):
+            return None
+        return f * sign
+    return None
+
+
+def monotone_in_distance(nodes: Sequence[Node]) -> bool:
+    """Whether every node of `nodes` is proved monotone in the distance (each in either
+    direction; Note [Far tiles decided at their corners])."""
+    memo: dict[int, int | None] = {}
+    return all(distance_direction(n, memo) is not None for n in nodes)
+
+
 def _block_of(node: Node) -> tuple[str, int] | None:
     """(variable, c) for `q_idx // c` or `kv_idx >> k` (c = 2**k), c a power of two."""
     if node.op not in (Op.FLOORDIV, Op.SHR) or len(node.srcs) != 2:

@@ -103,6 +103,58 @@ def test_strategy_is_chosen_from_the_index_expression(name, fn, expected):
         assert re.search(r"u0_0 = .*\bd0\b.*\b0\b|u0_0 = .*\b0\b.*\bd0\b", source), source
 
 
+def _distance_mods():
+    """(name, index of (h, q, kv), proved monotone in q - kv) for DIAGONAL indices."""
+    return [
+        ("clamped", lambda h, q, kv: (h, torch.clamp(q - kv, -128, 128) + 128), True),
+        ("falling_buckets", lambda h, q, kv: (h, torch.clamp((kv - q) // 4, -3, 3) + 3), True),
+        ("scaled", lambda h, q, kv: (h, torch.clamp(-2 * (q - kv) + 7, 0, 31)), True),
+        ("step", lambda h, q, kv: (h, (kv > q).to(torch.int32) * 2 + 1), True),
+        ("float_floor", lambda h, q, kv: (h, torch.floor((q - kv) * 0.25).to(torch.int32)), True),
+        ("absolute", lambda h, q, kv: (h, torch.clamp(torch.abs(q - kv), max=7)), False),
+        (
+            "signed_buckets",
+            lambda h, q, kv: (h, torch.where(kv > q, 5, 0) + torch.clamp((q - kv).abs(), max=4)),
+            False,
+        ),
+        ("equal", lambda h, q, kv: (h, (q == kv).to(torch.int32)), False),
+        (
+            "logarithmic",
+            lambda h, q, kv: (h, torch.log((q - kv).float() + 1).to(torch.int32)),
+            False,
+        ),
+        (
+            "mixed",
+            lambda h, q, kv: (h, torch.clamp(q - kv, 0, 7) + torch.clamp(kv - q, 0, 7)),
+            False,
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    "name, index, monotone", _distance_mods(), ids=[m[0] for m in _distance_mods()]
+)
+def test_far_tiles_are_decided_at_their_corners_when_monotone(name, index, monotone):
+    """Note [Far tiles decided at their corners]: proved monotone (either way) -> two scalar
+    evaluations decide the tile; otherwise (transcendental, |d|, ==, rising and falling parts) the
+    vector of the diagonals does."""
+    from flexfa.codegen.triton.scatter import monotone_in_distance
+
+    table = torch.zeros(2, 257)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[index(h, q_idx, kv_idx)]
+
+    traced = trace_score_mod(score_mod)
+    grad = traced.gradient(frozenset({0}))
+    (load,) = {id(g.load): g.load for g in grad.loads}.values()
+    assert scatter_strategy(load) is ScatterStrategy.DIAGONAL
+    assert monotone_in_distance(load.srcs[1:]) is monotone
+    source = emit_score_mod_grad(traced, grad, "f", frozenset({0})).source
+    assert ("flexfa_tile_distance_range" in source) is monotone, source
+    assert "flexfa_diagonal_sums" in source, source
+
+
 def _table_mod(index, shape, *, scale: float = 0.5, device: str = "cpu"):
     """A maker of `score + table[index(h, q_idx, kv_idx)]` with a learnable table."""
 
@@ -133,6 +185,9 @@ GENERAL_INDICES = {
         (2, 10),
     ),
     "distance_buckets": (lambda h, q, kv: (h, torch.abs(q - kv) // 6), (2, 10)),
+    # Monotone in the distance, falling and a step (Note [Far tiles decided at their corners]).
+    "falling_distance": (lambda h, q, kv: (h, torch.clamp((kv - q) // 4, -3, 3) + 3), (2, 7)),
+    "distance_step": (lambda h, q, kv: (h, (kv > q).to(torch.int32) * 2 + 1), (2, 4)),
 }
 PROBLEM = Problem(batch=1, heads_q=2, heads_kv=1, len_q=37, len_kv=45, head_dim=16, head_dim_v=16)
 
