@@ -134,10 +134,10 @@ def reads_only_distance(nodes: Sequence[Node]) -> bool:
 # evaluations decide it, and the vector is evaluated only for the tiles that need per-diagonal
 # sums. `distance_direction` proves monotonicity structurally, from operations that keep order
 # exactly (integer and float addition, multiplication or division by a constant of known sign,
-# floor division and shifts by a positive constant, min, max, floor, ceil, casts) and from the
-# distance nodes themselves (a comparison of q_idx and kv_idx is a step in d). Transcendental
-# functions are left out: their approximations need not keep order to the last bit, and a
-# difference of one bit at a cast would put a diagonal's sum at another entry.
+# floor division and shifts by a positive constant, min, max, floor, ceil, casts other than to
+# bool) and from the distance nodes themselves (a comparison of q_idx and kv_idx is a step in
+# d). Transcendental functions are left out: their approximations need not keep order to the
+# last bit, and a difference of one bit at a cast would put a diagonal's sum at another entry.
 _SAME_ORDER = frozenset({Op.FLOOR, Op.CEIL, Op.CAST})
 
 
@@ -182,6 +182,8 @@ def _direction(n: Node, memo: dict[int, int | None]) -> int | None:
             return -1 if d_first else 1
         return None  # == and != are not monotone
     srcs = [distance_direction(s, memo) for s in n.srcs]
+    if op is Op.CAST and n.dtype.is_bool and not n.srcs[0].dtype.is_bool:
+        return None  # x != 0: not monotone
     if op in _SAME_ORDER or op is Op.NEG:
         return None if srcs[0] is None else (-srcs[0] if op is Op.NEG else srcs[0])
     if op in (Op.ADD, Op.MIN, Op.MAX):

@@ -118,6 +118,7 @@ def _distance_mods():
             False,
         ),
         ("equal", lambda h, q, kv: (h, (q == kv).to(torch.int32)), False),
+        ("nonzero", lambda h, q, kv: (h, (q - kv).to(torch.bool).to(torch.int32)), False),
         (
             "logarithmic",
             lambda h, q, kv: (h, torch.log((q - kv).float() + 1).to(torch.int32)),
