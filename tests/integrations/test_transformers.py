@@ -1,4 +1,5 @@
-"""flexfa as a transformers attention implementation (flexfa/integrations/transformers.py).
+"""flexfa as a transformers attention implementation (flexfa/integrations/transformers.py and
+transformers_masks.py).
 
 Tiny random models (hidden 64, 2 layers, vocab 128) of five families run with
 `attn_implementation="flexfa"` against the same weights with `"eager"`, in float32 on the CPU:
@@ -16,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import flexfa.integrations.transformers as flexfa_hf  # noqa: E402
+import flexfa.integrations.transformers_masks as hf_masks  # noqa: E402
 
 NAME = flexfa_hf.register()
 VOCAB = 128
@@ -230,7 +232,7 @@ def packed_row_as(request, monkeypatch):
     """A packed row as a document mask (the CPU's way) or as flexfa's packed call (the GPU's,
     Note [Packed sequences as a packed call]), both on this device."""
     if request.param == "packed_call":
-        monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset({"cpu", "cuda"}))
+        monkeypatch.setattr(hf_masks, "PACKED_CALL_DEVICES", frozenset({"cpu", "cuda"}))
     return request.param
 
 
@@ -253,7 +255,7 @@ def test_packed_sequences_are_independent(family, packed_row_as):
 def test_a_packed_row_is_a_packed_call(monkeypatch):
     """Note [Packed sequences as a packed call]: every layer passes the documents' offsets (on the
     host) and the causal mask inside them; no BlockMask of the whole row is built."""
-    monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(hf_masks, "PACKED_CALL_DEVICES", frozenset({"cpu"}))
     _, ours = _pair("gemma2")  # a sliding and a full layer
     ids, positions, lengths = _packed_inputs()
     calls, built = [], []
@@ -286,7 +288,7 @@ def test_a_packed_row_is_a_packed_call(monkeypatch):
     # Batches of several packed rows keep the document mask (no packed call), as do devices
     # outside PACKED_CALL_DEVICES.
     for batch, devices in ((2, {"cpu"}), (1, {"cuda"})):
-        monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset(devices))
+        monkeypatch.setattr(hf_masks, "PACKED_CALL_DEVICES", frozenset(devices))
         calls.clear()
         with torch.no_grad():
             ours(ids.expand(batch, -1), position_ids=positions.expand(batch, -1), use_cache=False)
@@ -296,7 +298,7 @@ def test_a_packed_row_is_a_packed_call(monkeypatch):
 def test_document_ids_in_several_runs_keep_the_document_mask(monkeypatch):
     """Ids that are not one run of tokens each are not documents for a packed call: the layers
     keep the document mask (Note [Packed sequences as a packed call])."""
-    monkeypatch.setattr(flexfa_hf, "PACKED_CALL_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(hf_masks, "PACKED_CALL_DEVICES", frozenset({"cpu"}))
     mu = transformers.masking_utils
     docs = torch.tensor([[0, 0, 0, 1, 1, 0, 0, 2, 2, 2, 2]])
     fn = mu.and_masks(mu.causal_mask_function, mu.packed_sequence_mask_function(docs))
@@ -356,7 +358,7 @@ def test_masks_are_built_once_per_kind_and_forward(monkeypatch):
         return create(*args, **kwargs)
 
     monkeypatch.setattr(flexfa_hf.flexfa, "create_block_mask", counting)
-    flexfa_hf._block_mask_cache.clear()
+    hf_masks._block_mask_cache.clear()
     with torch.no_grad():
         ours(torch.randint(0, VOCAB, (1, 300)))
         assert len(built) == 2  # sliding and full
