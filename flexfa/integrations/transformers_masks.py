@@ -489,8 +489,8 @@ def _local_mask_mod(
 # Note [Mask tensors rebound, not retraced]
 # A LocalMask's tensors are new at every build (a decode step's offset and padding, a batch's
 # documents), and its Structure is not a value the trace cache can summarize, so each build would
-# trace the mask again: 0.85 ms of a 2.3 ms step of padded decoding on the 2-core CPU (tiny
-# Llama). LocalMask and ScoreMask therefore bring their trace (Note [Mods that bring their trace]
+# trace the mask again: 0.85 ms of the 3.1 ms a padded decode step spent building its mask on the
+# 2-core CPU (tiny Llama, batch 4, under cProfile). LocalMask and ScoreMask therefore bring their trace (Note [Mods that bring their trace]
 # in flexfa/frontend/trace.py): a *twin* — the same structure (and softcap) over stand-in tensors
 # of the same dtype, rank and device — is traced once, and each build's tensors are bound to its
 # captures; a trace reads only those three properties of a tensor (Note [Trace cache]). The last
